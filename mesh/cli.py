@@ -1,0 +1,190 @@
+"""The console scripts: `mesh-coord` and `mesh-peer`. Flags named in the README are a contract: keep their names."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import trio
+
+TOKEN_ENV = "MESH_TOKEN"
+
+
+def _layers(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers {text!r}: expected START:END, e.g. 0:10") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"--layers {text!r}: need 0 <= START < END")
+    return a, b
+
+
+def _hops(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--webrtc-hops {text!r}: expected hop numbers like 1,2") from None
+
+
+def _token(args) -> bytes | None:
+    tok = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    return tok.encode() if tok else None
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", help=f"fleet token (default: ${TOKEN_ENV}); every connection authenticates with it")
+    p.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA (default: tinygrad's choice, with fallbacks)")
+    p.add_argument("--stun", action="append", default=[], help="STUN server URL for WebRTC hops (none by default)")
+    p.add_argument("--turn", action="append", default=[],
+                   help="TURN server as turn:HOST:PORT?transport=udp with --turn-user/--turn-pass")
+    p.add_argument("--turn-user", default="")
+    p.add_argument("--turn-pass", default="")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+# ---- mesh-coord ----------------------------------------------------------------------------------------------
+def coord_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mesh-coord", description="Coordinate a mesh of peers serving one model.")
+    p.add_argument("--listen", default="0.0.0.0:9000", help="registry address peers join (default 0.0.0.0:9000)")
+    p.add_argument("--model", help="GGUF path or hf:// source (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before serving")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds of quiet after --min-peers to absorb stragglers")
+    p.add_argument("--wait", type=float, default=300.0, help="give up if --min-peers have not joined by then")
+    p.add_argument("--chain", choices=("p2p", "hub"), default="p2p")
+    p.add_argument("--layers", type=_layers, help="own the first layers locally, as 0:K (default: headless)")
+    p.add_argument("--prompt", help="answer this once, print the completion to stdout, exit")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--template", choices=("auto", "raw"), default="auto",
+                   help="auto: the GGUF's chat template; raw: send the prompt text as is")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--auto-webrtc", action="store_true", help="fall back to WebRTC for hops a direct dial cannot make")
+    p.add_argument("--webrtc-hops", type=_hops, default=(), help="force these hops (1 = peer 1 -> peer 2) onto WebRTC")
+    p.add_argument("--max-context", type=int, default=2048)
+    _common(p)
+    return p
+
+
+def coord_main(argv: list[str] | None = None) -> None:
+    args = coord_parser().parse_args(argv)
+    _logging(args.verbose)
+    from engine.sources import default_model_path, resolve_source
+    from mesh.coordinator import CoordConfig
+    from signaling import IceConfig
+
+    try:
+        model = resolve_source(args.model) if args.model else default_model_path()
+    except Exception as exc:
+        sys.exit(f"mesh-coord: model {args.model or '(default)'}: {exc}")
+    if args.layers and args.layers[0] != 0:
+        sys.exit("mesh-coord: --layers must start at 0 (the coordinator holds the first layers)")
+    ice = IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass)
+    cfg = CoordConfig(model=Path(model), listen=args.listen, token=_token(args), min_peers=args.min_peers,
+                      settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
+                      auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
+                      ice=ice)
+    try:
+        trio.run(_run_coord, cfg, args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+async def _run_coord(cfg, args) -> None:
+    from engine.stage import Sampling
+    from mesh.coordinator import Coordinator
+    from mesh.errors import MeshError
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    coord = Coordinator(cfg)
+    try:
+        async with trio.open_nursery() as nursery:
+            port = await coord.serve_registry(nursery)
+            logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
+                                                 cfg.listen, port, cfg.min_peers)
+            async with AsyncExitStack() as stack:
+                fleet, pipe = await coord.form(nursery, stack)
+                if args.prompt is not None:
+                    ids = coord.encode(args.prompt, template=args.template)
+                    await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling, stream_to=sys.stdout)
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                else:
+                    await _chat(coord, pipe, args, sampling)
+            nursery.cancel_scope.cancel()
+    except MeshError as exc:
+        sys.exit(f"mesh-coord: {exc}")
+
+
+async def _chat(coord, pipe, args, sampling) -> None:
+    """Interactive chat: each turn re-renders the conversation and prefills only what the cache does not hold."""
+    history: list[dict] = []
+    held: list[int] = []          # token ids whose KV the stages hold, in order
+    print("mesh chat: type a message, an empty line or Ctrl-D ends.", file=sys.stderr, flush=True)
+    while True:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+        line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+        if not line.strip():
+            return
+        ids = coord.encode(line.rstrip("\n"), template=args.template, history=tuple(history))
+        common = 0
+        for a, b in zip(held, ids):
+            if a != b:
+                break
+            common += 1
+        out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling, resume_from=common,
+                                 stream_to=sys.stdout)
+        sys.stdout.write("\n")
+        held = ids + out[:-1]     # the last token was generated but never fed back
+        history += [{"role": "user", "content": line.rstrip("\n")},
+                    {"role": "assistant", "content": coord.tokenizer.decode([t for t in out
+                                                                             if t not in coord.tokenizer.eos_ids])}]
+
+
+# ---- mesh-peer -----------------------------------------------------------------------------------------------
+def peer_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mesh-peer", description="Lend this machine's layers to a mesh.")
+    p.add_argument("--join", required=True, help="the coordinator's registry, HOST:PORT or ws://HOST:PORT")
+    p.add_argument("--listen", default="0.0.0.0:0", help="where predecessor peers dial this one (default: any port)")
+    p.add_argument("--advertise", help="HOST:PORT (or ws://...) predecessors should dial, if not our source address")
+    p.add_argument("--model", help="a local GGUF; without one the peer waits for the coordinator to ship its layers")
+    p.add_argument("--layers", type=_layers, help="pin this peer to layers A:B")
+    p.add_argument("--memory-gb", type=float, help="planning hint: memory this peer offers (default: free memory)")
+    p.add_argument("--cache-dir", type=Path, help="where shipped layers are kept (default: ~/.cache/mesh)")
+    p.add_argument("--max-context", type=int, default=2048)
+    _common(p)
+    return p
+
+
+def peer_main(argv: list[str] | None = None) -> None:
+    args = peer_parser().parse_args(argv)
+    _logging(args.verbose)
+    from mesh.peer import Peer, PeerConfig, memory_hint_mb
+    from signaling import IceConfig
+
+    model = None
+    if args.model:
+        from engine.sources import resolve_source
+        try:
+            model = Path(resolve_source(args.model))
+        except Exception as exc:
+            sys.exit(f"mesh-peer: model {args.model}: {exc}")
+    cfg = PeerConfig(join=args.join, token=_token(args), listen=args.listen, advertise=args.advertise, model=model,
+                     layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
+                     device=args.device, max_context=args.max_context,
+                     ice=IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass))
+    try:
+        trio.run(Peer(cfg).run)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,257 @@
+"""mesh-coord: the registry, fleet negotiation, chain wiring and the user's session.
+
+The coordinator owns the tokenizer and the scheduler. Headless (the default), it reads the GGUF's metadata and
+vocabulary but loads no weights; with `--layers 0:K` it runs the first K layers in its own worker.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+import transport
+from engine.chat import render_prompt
+from engine.gguf_meta import read_model_meta
+from engine.stage import Sampling
+from engine.tokenizer import StreamDecoder, Tokenizer
+from mesh import proto
+from mesh.errors import FleetError, HopError, SessionError
+from mesh.link import LinkError, open_link
+from mesh.pipeline import ChainPipeline, HubPipeline, Pipeline, generate
+from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
+from mesh.registry import Member, Registry
+
+log = logging.getLogger("mesh.coord")
+RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
+
+
+@dataclass(frozen=True)
+class CoordConfig:
+    model: Path
+    listen: str = "0.0.0.0:9000"
+    token: bytes | None = None
+    min_peers: int = 1
+    settle: float = 2.0
+    wait: float = 300.0
+    chain: str = "p2p"
+    layers: tuple[int, int] | None = None
+    device: str | None = None
+    auto_webrtc: bool = False
+    webrtc_hops: tuple[int, ...] = ()
+    ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
+    n_slots: int = 4
+    max_context: int = 2048
+
+
+def _info_report(m: Member, ev: proto.Info) -> StageReport:
+    return StageReport(m.name, ev.start, ev.end, ev.total_layers, ev.memory_mb, ev.pinned, ev.fingerprint,
+                       ev.backend, ev.loaded)
+
+
+async def _rpc_all(members: list[Member], make: Callable[[Member], object], expect) -> list:
+    """Send to every member first, then collect every answer: the peers work in parallel."""
+    for m in members:
+        await m.link.send(make(m))
+    out = []
+    for m in members:
+        ev = await m.link.receive()
+        if isinstance(ev, proto.Error):
+            raise FleetError(f"{m.name}: {ev.reason}")
+        if not isinstance(ev, expect):
+            raise FleetError(f"{m.name}: expected {expect.__name__}, got {type(ev).__name__}")
+        out.append(ev)
+    return out
+
+
+class Fleet:
+    """A formed fleet for one session: members in chain order, their ranges, and the means to drive them."""
+
+    def __init__(self, cfg: CoordConfig, registry: Registry, tokenizer: Tokenizer):
+        self.cfg = cfg
+        self.registry = registry
+        self.meta = read_model_meta(cfg.model)
+        self.tokenizer = tokenizer
+        self.members: list[Member] = []
+        self.local = None
+
+    @property
+    def first_layer(self) -> int:
+        return self.cfg.layers[1] if self.cfg.layers else 0
+
+    async def negotiate(self, members: list[Member]) -> str:
+        """Info, plan, load (ship where needed), re-check, validate. Returns the topology map."""
+        LC = proto.LoadCode
+        infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
+        reports = [_info_report(m, ev) for m, ev in zip(members, infos)]
+        for r in reports:  # a peer that holds its own model must hold ours
+            if r.fingerprint and r.fingerprint != self.meta.fingerprint:
+                raise FleetError(f"{r.name} holds a different model (fingerprint {r.fingerprint[:16]}, "
+                                 f"the coordinator's {self.cfg.model.name} is {self.meta.fingerprint[:16]})")
+        try:
+            ranges = plan_fleet(self.first_layer, self.meta.n_layers, reports)
+        except PlanError as exc:
+            raise FleetError(str(exc)) from None
+        if any(not r.pinned for r in reports):
+            log.info("auto-split: layers %d..%d over %d peers -> %s", self.first_layer, self.meta.n_layers,
+                     len(members), ", ".join(f"{a}..{b}" for a, b in ranges))
+        acks = await _rpc_all(members, lambda m: proto.Load(*ranges[members.index(m)], self.meta.n_layers,
+                                                            self.meta.fingerprint), proto.Ack)
+        for m, r, ack in zip(members, ranges, acks):
+            if ack.code == LC.NEED_WEIGHTS:
+                await self._ship(m, r)
+            elif ack.code == LC.WRONG_CHECKPOINT:
+                raise FleetError(f"{m.name} holds a different model: {ack.reason}")
+            elif ack.code != LC.OK:
+                raise FleetError(f"{m.name} could not load layers {r[0]}..{r[1]}: {ack.reason}")
+        infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
+        order = sorted(range(len(members)), key=lambda i: infos[i].start)
+        self.members = [members[i] for i in order]
+        try:
+            return validate_chain(self.first_layer, [_info_report(members[i], infos[i]) for i in order],
+                                  self.meta.fingerprint)
+        except PlanError as exc:
+            raise FleetError(str(exc)) from None
+
+    async def _ship(self, m: Member, r: tuple[int, int]) -> None:
+        from mesh.shipping import ship_range
+        log.info("%s has no model: shipping layers %d..%d", m.name, *r)
+        await ship_range(m.link, self.cfg.model, r[0], r[1], label=m.name)
+        await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.meta.fingerprint))
+        ack = await m.link.receive()
+        if not isinstance(ack, proto.Ack) or ack.code != proto.LoadCode.OK:
+            raise FleetError(f"{m.name} still cannot load layers {r[0]}..{r[1]} after shipping: "
+                             f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    async def send_vocab(self) -> None:
+        vocab = proto.Vocab(tuple(self.tokenizer.token_bytes(i) for i in range(self.tokenizer.vocab_size)))
+        for m in self.members:
+            await m.link.send(vocab)
+
+
+async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The return sink: accept only an authenticated dial, pass its Done messages on."""
+    async def handler(stream):
+        who = transport.remote_host(stream)
+        try:
+            with trio.fail_after(10) as handshake:
+                async with open_link(stream, token=token, role="server") as link:
+                    handshake.deadline = math.inf
+                    while True:
+                        ev = await link.receive()
+                        if isinstance(ev, proto.Done):
+                            await send_channel.send(ev)
+                        elif isinstance(ev, proto.Error):
+                            await send_channel.send(ev)
+        except trio.TooSlowError:
+            log.warning("sink: %s sent no handshake", who)
+        except (LinkError, proto.ProtoError, transport.TransportError) as exc:
+            log.info("sink: hop from %s ended: %s", who, exc)
+            await send_channel.send(proto.Error(proto.ErrorCode.INTERNAL, f"the sink hop from {who} ended: {exc}"))
+    await transport.serve_listener(host, 0, handler, task_status=task_status)
+
+
+async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
+    """Connect the stages: hub mode needs nothing; p2p mode has each peer dial its successor and the last dial the sink."""
+    names = [m.name for m in fleet.members]
+    links = [m.link for m in fleet.members]
+    if fleet.cfg.chain == "hub":
+        return HubPipeline(links, names, fleet.local)
+    send, receive = trio.open_memory_channel(64)
+    host = fleet.cfg.listen.rpartition(":")[0] or "0.0.0.0"
+    sink_port = await nursery.start(_sink_service, fleet.cfg.token, host, send)
+    for k, m in enumerate(fleet.members):
+        last = k == len(fleet.members) - 1
+        await _wire_hop(fleet, k, f":{sink_port}" if last else fleet.members[k + 1].hop_addr, last)
+
+    async def sink_receive() -> proto.Done:
+        ev = await receive.receive()
+        if isinstance(ev, proto.Error):
+            raise SessionError(ev.reason)
+        return ev
+    return ChainPipeline(links[0], sink_receive, names, fleet.local)
+
+
+async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
+    """The transport ladder for hop k -> k+1: a direct dial (TCP or WebSocket), then WebRTC where allowed."""
+    m = fleet.members[k]
+    forced = (k + 1) in fleet.cfg.webrtc_hops and not sink
+    direct_error = "skipped: --webrtc-hops"
+    if not forced:
+        await m.link.send(proto.Chain(addr, sink))
+        ack = await m.link.receive()
+        if isinstance(ack, proto.Ack) and ack.code == 0:
+            return
+        direct_error = getattr(ack, "reason", type(ack).__name__)
+        if sink or not fleet.cfg.auto_webrtc:
+            raise HopError(f"hop {k + 1} ({m.name} -> {'sink' if sink else addr}): {direct_error}")
+    nxt = fleet.members[k + 1]
+    from signaling import open_rtc_hop
+    try:
+        await open_rtc_hop(m.link, nxt.link, sink=False)
+    except Exception as exc:
+        raise HopError(f"hop {k + 1} ({m.name} -> {nxt.name}): direct dial: {direct_error}; webrtc: {exc}") from None
+    log.info("hop %d (%s -> %s) runs over WebRTC", k + 1, m.name, nxt.name)
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordConfig, *, out=None, err=None):
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_gguf(cfg.model)
+        self.registry = Registry(cfg.token)
+        self.out = out or sys.stdout
+
+    async def serve_registry(self, nursery) -> int:
+        host, _, port = self.cfg.listen.rpartition(":")
+        return await nursery.start(self.registry.serve, host or "0.0.0.0", int(port))
+
+    async def form(self, nursery, stack: AsyncExitStack) -> tuple[Fleet, Pipeline]:
+        with trio.move_on_after(self.cfg.wait) as waiting:
+            members = await self.registry.wait_for(self.cfg.min_peers, self.cfg.settle)
+        if waiting.cancelled_caught:
+            raise FleetError(f"only {len(self.registry.members)} of {self.cfg.min_peers} peers joined "
+                             f"{self.cfg.listen} within {self.cfg.wait:.0f}s")
+        for m in members:
+            stack.callback(m.release)       # the session's end sends every peer back to re-join
+        fleet = Fleet(self.cfg, self.registry, self.tokenizer)
+        if self.cfg.layers:
+            from engine.worker import open_worker
+            fleet.local = await stack.enter_async_context(open_worker(device=self.cfg.device))
+            await fleet.local.load(self.cfg.model, 0, self.cfg.layers[1], n_slots=self.cfg.n_slots,
+                                   max_context=self.cfg.max_context)
+        with trio.fail_after(RPC_SECONDS):
+            topology = await fleet.negotiate(members)
+        print(topology, file=sys.stderr, flush=True)
+        await fleet.send_vocab()
+        pipe = await wire_chain(fleet, nursery, stack)
+        return fleet, pipe
+
+    async def answer(self, pipe: Pipeline, prompt_ids: list[int], *, max_tokens: int, sampling: Sampling,
+                     resume_from: int = 0, stream_to=None) -> list[int]:
+        decoder = StreamDecoder(self.tokenizer)
+        eos = self.tokenizer.eos_ids
+
+        def on_token(tok: int) -> None:
+            if stream_to is not None and tok not in eos:
+                text = decoder.feed(tok)
+                if text:
+                    stream_to.write(text)
+                    stream_to.flush()
+        limit = min(max_tokens, self.cfg.max_context - len(prompt_ids))
+        if limit <= 0:
+            raise SessionError(f"the prompt has {len(prompt_ids)} tokens, the context holds {self.cfg.max_context}")
+        result = await generate(pipe, prompt_ids, max_tokens=limit, sampling=sampling, eos_ids=eos,
+                                resume_from=resume_from, on_token=on_token)
+        if stream_to is not None:
+            stream_to.write(decoder.flush())
+            stream_to.flush()
+        return result.tokens
+
+    def encode(self, text: str, *, template: str, history: tuple = ()) -> list[int]:
+        rendered = render_prompt(self.tokenizer, text, mode=template, history=history)
+        return self.tokenizer.encode(rendered)

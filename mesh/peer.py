@@ -1,0 +1,329 @@
+"""mesh-peer: hold a layer range, serve it to the coordinator and to the predecessor peer, forward to the successor.
+
+A peer dials out to the coordinator's registry and serves that one socket as its control connection, so it needs no
+inbound port for control. It also listens for the predecessor's hop in peer-to-peer chain mode. Both kinds of link
+run the same op loop (`_serve_ops`); the stage itself is one worker process shared by all links, serialized by a
+lock that also covers the forward write, so the order of outputs down the chain is the order of compute.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import trio
+
+import transport
+from engine.gguf_meta import read_model_meta
+from engine.worker import open_worker
+from mesh import proto
+from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
+from mesh.errors import HopError
+from mesh.link import AuthFailed, LinkClosed, LinkError, open_link
+from mesh.report import DonorReport
+
+log = logging.getLogger("mesh.peer")
+HANDSHAKE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    join: str
+    token: bytes | None = None
+    listen: str = "0.0.0.0:0"
+    advertise: str | None = None
+    model: Path | None = None
+    layers: tuple[int, int] | None = None
+    memory_mb: int = 0
+    cache_dir: Path | None = None
+    device: str | None = None
+    n_slots: int = 4
+    max_context: int = 2048
+    report_every: float = 5.0
+    rejoin_max_delay: float = 5.0
+    ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
+
+
+class AuthRefused(Exception):
+    """The coordinator refused our fleet token: retrying cannot help."""
+
+
+@dataclass
+class _Forward:
+    """The successor hop in peer-to-peer mode: the next peer, or the coordinator's sink when `sink` is set."""
+    link: object
+    sink: bool
+    addr: str
+
+
+class Peer:
+    def __init__(self, cfg: PeerConfig):
+        self.cfg = cfg
+        self.meta = read_model_meta(cfg.model) if cfg.model else None
+        self.worker = None
+        self.loaded: tuple[int, int] | None = None
+        self.loaded_fingerprint = ""
+        self.loaded_total = 0
+        self.backend = ""
+        self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
+        self.forward: _Forward | None = None
+        self.vocab: tuple[bytes, ...] = ()
+        self.report = DonorReport()
+        self.listen_port = 0
+        self.rtc = None                     # signaling.RtcEndpoint, created on the first Signal
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        host, _, port = self.cfg.listen.rpartition(":")
+        async with open_worker(device=self.cfg.device) as worker:
+            self.worker = worker
+            self.backend = getattr(worker, "backend", "") or ""
+            if self.cfg.layers:
+                if self.cfg.model is None:
+                    raise SystemExit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
+                await self._load(self.cfg.model, *self.cfg.layers)
+            async with trio.open_nursery() as nursery:
+                self.listen_port = await nursery.start(transport.serve_listener, host or "0.0.0.0", int(port or 0),
+                                                       self._serve_inbound)
+                log.info("listening for peer hops on port %d", self.listen_port)
+                nursery.start_soon(self._report_loop)
+                await self._join_loop()
+                nursery.cancel_scope.cancel()
+
+    async def _join_loop(self) -> None:
+        delay = 0.25
+        while True:
+            try:
+                stream = await transport.dial(self.cfg.join)
+            except transport.DialError as exc:
+                log.warning("coordinator %s unreachable: %s; retrying in %.1fs", self.cfg.join, exc.reason, delay)
+            else:
+                try:
+                    await self._session(stream)
+                    delay = 0.25
+                    continue
+                except AuthRefused as exc:
+                    raise SystemExit(f"mesh-peer: coordinator {self.cfg.join} refused us: {exc}") from None
+                except (LinkError, transport.TransportError, HopError) as exc:
+                    log.warning("session with coordinator %s ended: %s", self.cfg.join, exc)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.cfg.rejoin_max_delay)
+
+    async def _session(self, stream) -> None:
+        try:
+            with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
+                async with open_link(stream, token=self.cfg.token, role="client") as link:
+                    handshake.deadline = math.inf       # the deadline bounds the handshake only
+                    await link.send(proto.Join(self.listen_port, self.cfg.advertise or "", self.cfg.memory_mb,
+                                               *(self.cfg.layers or (-1, -1))))
+                    log.info("joined coordinator %s", self.cfg.join)
+                    try:
+                        async with AsyncExitStack() as session_stack:  # forward hops live as long as the session
+                            await self._serve_ops(link, session_stack, control=True)
+                    finally:
+                        self.forward = None
+        except trio.TooSlowError:
+            raise HopError(f"coordinator {self.cfg.join}: no handshake within {HANDSHAKE_SECONDS:.0f}s") from None
+        except (AuthFailed, proto.AuthError) as exc:
+            raise AuthRefused(str(exc)) from None
+
+    async def _serve_inbound(self, stream) -> None:
+        """A predecessor's hop (or a coordinator's hub connection): authenticate, then serve ops."""
+        peer = transport.remote_host(stream)
+        try:
+            with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
+                async with open_link(stream, token=self.cfg.token, role="server") as link:
+                    handshake.deadline = math.inf
+                    async with AsyncExitStack() as stack:
+                        await self._serve_ops(link, stack, control=False)
+        except trio.TooSlowError:
+            log.warning("inbound hop from %s: no handshake within %.0fs", peer, HANDSHAKE_SECONDS)
+        except (LinkError, proto.ProtoError, transport.TransportError, HopError) as exc:
+            log.warning("inbound hop from %s ended: %s", peer, exc)
+
+    # ---- the op loop ---------------------------------------------------------------------------------------
+    async def _serve_ops(self, link, stack: AsyncExitStack, *, control: bool) -> None:
+        while True:
+            try:
+                ev = await link.receive()
+            except LinkClosed:
+                return
+            if isinstance(ev, proto.Shutdown):
+                return
+            try:
+                await self._dispatch(ev, link, stack, control)
+            except (LinkError, HopError):
+                raise
+            except Exception as exc:  # one bad op answers with an error; the link and the peer go on
+                log.exception("op %s failed", type(ev).__name__)
+                await link.send(proto.Error(proto.ErrorCode.INTERNAL, f"{type(ev).__name__}: {exc}"[:500]))
+
+    async def _dispatch(self, ev, link, stack: AsyncExitStack, control: bool) -> None:
+        if isinstance(ev, proto.InfoRequest):
+            await link.send(self._info())
+        elif isinstance(ev, proto.Load):
+            code, reason = await self._handle_load(ev)
+            await link.send(proto.Ack(proto.MsgType.LOAD, int(code), reason))
+        elif isinstance(ev, proto.Chain):
+            await self._handle_chain(ev, link, stack)
+        elif isinstance(ev, proto.Vocab):
+            self.vocab = ev.tokens
+        elif isinstance(ev, (proto.BatchStep, proto.Step)):
+            await self._handle_step(ev, link)
+        elif isinstance(ev, (proto.ZeroSlot, proto.Reset, proto.Rollback, proto.BlockTable)):
+            await self._handle_inband(ev)
+        elif isinstance(ev, proto.BatchInit):
+            await link.send(proto.Ack(proto.MsgType.BATCH_INIT, 0, ""))
+        elif isinstance(ev, proto.ShipBegin):
+            await self._handle_ship(ev, link)
+        elif isinstance(ev, (proto.Signal, proto.RtcServe, proto.RtcChain)):
+            await self._handle_rtc(ev, link, stack)
+        elif isinstance(ev, (proto.Draft, proto.DraftBatch, proto.DraftSeed)):
+            await link.send(proto.Error(proto.ErrorCode.UNSUPPORTED,
+                                        "speculative drafting needs a draft head; this model has none"))
+        else:
+            await link.send(proto.Error(proto.ErrorCode.BAD_STATE, f"{type(ev).__name__} is not a request"))
+
+    def _info(self) -> proto.Info:
+        start, end = self.loaded or (0, 0)
+        fp = self.loaded_fingerprint or (self.meta.fingerprint if self.meta else "")
+        total = self.loaded_total or (self.meta.n_layers if self.meta else 0)
+        return proto.Info(start, end, total, self.cfg.memory_mb, self.cfg.layers is not None, fp,
+                          self.backend, self.loaded is not None)
+
+    # ---- loading and shipping --------------------------------------------------------------------------------
+    async def _load(self, path: Path, start: int, end: int) -> None:
+        info = await self.worker.load(path, start, end, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context)
+        self.loaded = (start, end)
+        self.loaded_fingerprint = info.fingerprint
+        self.loaded_total = info.total
+        self.report.layers = (start, end)
+        log.info("loaded layers %d..%d of %s (%.1f MB of weights)", start, end, path.name, info.weight_bytes / 1e6)
+
+    async def _handle_load(self, ev: proto.Load) -> tuple[int, str]:
+        LC = proto.LoadCode
+        if self.loaded == (ev.start, ev.end) and self.loaded_fingerprint == ev.fingerprint:
+            return LC.OK, "already loaded"               # an unchanged fleet re-forms without re-reading weights
+        if self.cfg.layers and (ev.start, ev.end) != self.cfg.layers:
+            return LC.FAIL, f"pinned to layers {self.cfg.layers[0]}..{self.cfg.layers[1]}"
+        if self.meta is not None:
+            if self.meta.fingerprint != ev.fingerprint:
+                return LC.WRONG_CHECKPOINT, (f"local model {self.cfg.model} has fingerprint {self.meta.fingerprint[:16]}, "
+                                             f"the fleet's is {ev.fingerprint[:16]}")
+            path = self.cfg.model
+        else:
+            path = self._cache_entry(ev.fingerprint, ev.start, ev.end)
+            if path is None:
+                return LC.NEED_WEIGHTS, "no local model; ship layers"
+        async with self.compute:
+            try:
+                await self._load(path, ev.start, ev.end)
+            except Exception as exc:
+                log.error("load of layers %d..%d failed: %s", ev.start, ev.end, exc)
+                return LC.FAIL, str(exc)[:500]
+        return LC.OK, ""
+
+    def _cache_root(self) -> Path:
+        from mesh.shipping import default_cache_dir
+        return self.cfg.cache_dir or default_cache_dir()
+
+    def _cache_entry(self, fingerprint: str, start: int, end: int) -> Path | None:
+        from mesh.shipping import complete_entry
+        return complete_entry(self._cache_root(), fingerprint, start, end)
+
+    async def _handle_ship(self, ev, link) -> None:
+        from mesh.shipping import serve_ship
+        await serve_ship(link, ev, self._cache_root())
+
+    # ---- the chain -----------------------------------------------------------------------------------------
+    async def _handle_chain(self, ev: proto.Chain, link, stack: AsyncExitStack) -> None:
+        if not ev.addr:
+            self.forward = None
+            await link.send(proto.Ack(proto.MsgType.CHAIN, 0, "cleared"))
+            return
+        addr = ev.addr
+        if addr.startswith(":"):  # the sink shorthand: the coordinator's host as seen on our control connection
+            addr = f"{_host_for_dial(transport.remote_host(link.stream))}{addr}"
+        try:
+            stream = await transport.dial(addr)
+            with trio.fail_after(HANDSHAKE_SECONDS):
+                hop = await stack.enter_async_context(open_link(stream, token=self.cfg.token, role="client"))
+        except (transport.TransportError, LinkError, proto.ProtoError, trio.TooSlowError) as exc:
+            self.forward = None
+            await link.send(proto.Ack(proto.MsgType.CHAIN, 1, f"dial {addr} failed: {exc}"))
+            return
+        self.forward = _Forward(hop, ev.sink, addr)
+        log.info("forwarding to %s %s", "sink" if ev.sink else "peer", addr)
+        await link.send(proto.Ack(proto.MsgType.CHAIN, 0, addr))
+
+    async def _handle_step(self, ev, link) -> None:
+        if self.loaded is None:
+            await link.send(proto.Error(proto.ErrorCode.NOT_LOADED, "no layers loaded yet"))
+            return
+        if isinstance(ev, proto.Step):
+            cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
+            ev = proto.BatchStep(ev.group, False, tuple(cols), ev.hidden, ev.sampling)
+        t0 = time.perf_counter()
+        async with self.compute:
+            out = await self.worker.step(to_engine_columns(ev.columns), from_activation(ev.hidden),
+                                         to_engine_sampling(ev.sampling))
+            last = self.loaded[1] == self.loaded_total
+            if last:
+                tokens = tuple(int(t) for t in out)
+                reply = proto.Done(ev.group, tokens) if self.forward else proto.Tokens(ev.group, tokens)
+            else:
+                hidden = to_activation(np.asarray(out))
+                reply = proto.BatchStep(ev.group, ev.wide, ev.columns, hidden, ev.sampling) if self.forward \
+                    else proto.Hidden(ev.group, hidden)
+            await (self.forward.link if self.forward else link).send(reply)
+        self.report.record(ev.columns, time.perf_counter() - t0, self.vocab)
+
+    async def _handle_inband(self, ev) -> None:
+        if self.worker is not None and self.loaded is not None:
+            async with self.compute:
+                if isinstance(ev, proto.ZeroSlot):
+                    await self.worker.zero_slot(ev.slot)
+                elif isinstance(ev, proto.Reset):
+                    await self.worker.reset()
+                elif isinstance(ev, proto.Rollback):
+                    await self.worker.rollback(ev.slot, ev.pos)
+                # BlockTable: our KV slots are contiguous per sequence, so a block-table row carries no work here;
+                # it is still forwarded so a stage that pages its cache sees it in order.
+                if self.forward and not self.forward.sink:
+                    await self.forward.link.send(ev)
+        elif self.forward and not self.forward.sink:
+            await self.forward.link.send(ev)
+
+    # ---- WebRTC --------------------------------------------------------------------------------------------
+    async def _handle_rtc(self, ev, link, stack: AsyncExitStack) -> None:
+        from mesh.rtc_lane import handle_rtc_op
+        await handle_rtc_op(self, ev, link, stack)
+
+    # ---- the donor's self-report ---------------------------------------------------------------------------
+    async def _report_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.report_every)
+            line = self.report.line()
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
+
+def _host_for_dial(host: str | None) -> str:
+    if not host:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def memory_hint_mb(memory_gb: float | None) -> int:
+    if memory_gb:
+        return int(memory_gb * 1024)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**20)
+    except (ValueError, OSError):
+        return 0

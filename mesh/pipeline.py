@@ -1,0 +1,172 @@
+"""Driving a formed chain: one step in, tokens out, in either chain mode; and generation on top of that.
+
+Hub and spoke: the coordinator sends each stage its input and gets its output back, relaying hidden states.
+Peer to peer: the coordinator sends the first stage its step; each stage forwards to its successor and the last
+one sends only tokens to the coordinator's sink. Either way the stages compute the same thing in the same order,
+so both modes give bitwise the same tokens.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+import trio
+
+from engine.stage import Column, Sampling
+from mesh import proto
+from mesh.convert import from_activation, to_activation, to_engine_columns, to_wire_columns, to_wire_sampling
+from mesh.errors import SessionError
+
+log = logging.getLogger("mesh.pipeline")
+
+
+class LocalStage(Protocol):
+    """The coordinator's own first layers (`--layers 0:K`): a worker client."""
+    async def step(self, cols, hidden, sampling): ...
+    async def zero_slot(self, slot): ...
+    async def rollback(self, slot, pos): ...
+
+
+def _expect(ev, kind, who: str):
+    if isinstance(ev, proto.Error):
+        raise SessionError(f"{who}: {ev.reason} (error {int(ev.code)})")
+    if not isinstance(ev, kind):
+        raise SessionError(f"{who}: expected {kind.__name__}, got {type(ev).__name__}")
+    return ev
+
+
+class Pipeline:
+    """Base: the local stage (if any) and the group counter that pairs each step with its answer."""
+
+    def __init__(self, local: LocalStage | None, names: list[str]):
+        self.local = local
+        self.names = names
+        self._group = 0
+
+    def next_group(self) -> int:
+        self._group = (self._group + 1) & 0xFFFFFFFF
+        return self._group
+
+    async def _local(self, cols: list[Column], sampling: Sampling):
+        if self.local is None:
+            return None
+        return to_activation(await self.local.step(cols, None, sampling))
+
+    async def inband(self, ev) -> None:
+        """ZeroSlot / Rollback / Reset, ahead of the steps they precede, to every stage in order."""
+        if self.local is not None:
+            if isinstance(ev, proto.ZeroSlot):
+                await self.local.zero_slot(ev.slot)
+            elif isinstance(ev, proto.Rollback):
+                await self.local.rollback(ev.slot, ev.pos)
+        await self._send_inband(ev)
+
+    async def submit(self, cols: list[Column], sampling: Sampling) -> int:
+        raise NotImplementedError
+
+    async def collect(self, group: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    async def step(self, cols: list[Column], sampling: Sampling) -> tuple[int, ...]:
+        return await self.collect(await self.submit(cols, sampling))
+
+
+class HubPipeline(Pipeline):
+    """The coordinator relays every hidden state: stage links in chain order, each answering on its own link."""
+
+    def __init__(self, links: list, names: list[str], local: LocalStage | None = None):
+        super().__init__(local, names)
+        self.links = links
+        self._pending: dict[int, tuple[list[Column], Sampling]] = {}
+
+    async def _send_inband(self, ev) -> None:
+        for link in self.links:
+            await link.send(ev)
+
+    async def submit(self, cols, sampling) -> int:
+        group = self.next_group()
+        self._pending[group] = (cols, sampling)
+        return group
+
+    async def collect(self, group: int) -> tuple[int, ...]:
+        cols, sampling = self._pending.pop(group)
+        hidden = await self._local(cols, sampling)
+        wire_cols, wire_sampling = to_wire_columns(cols), to_wire_sampling(sampling)
+        for k, (link, name) in enumerate(zip(self.links, self.names)):
+            await link.send(proto.BatchStep(group, len(cols) > 16, wire_cols, hidden, wire_sampling))
+            last = k == len(self.links) - 1
+            ev = _expect(await link.receive(), proto.Tokens if last else proto.Hidden, name)
+            if ev.group != group:
+                raise SessionError(f"{name}: answered step {ev.group}, expected {group}")
+            if last:
+                return ev.tokens
+            hidden = ev.activation
+        raise SessionError("empty chain")
+
+
+class ChainPipeline(Pipeline):
+    """True peer to peer: steps go to the first stage, tokens come back on the sink, matched by group."""
+
+    def __init__(self, first_link, sink_receive: Callable[[], Awaitable[proto.Done]], names: list[str],
+                 local: LocalStage | None = None):
+        super().__init__(local, names)
+        self.first = first_link
+        self.sink_receive = sink_receive
+
+    async def _send_inband(self, ev) -> None:
+        await self.first.send(ev)    # each stage applies it and forwards it ahead of the next step
+
+    async def submit(self, cols, sampling) -> int:
+        group = self.next_group()
+        hidden = await self._local(cols, sampling)
+        await self.first.send(proto.BatchStep(group, len(cols) > 16, to_wire_columns(cols), hidden,
+                                              to_wire_sampling(sampling)))
+        return group
+
+    async def collect(self, group: int) -> tuple[int, ...]:
+        done = await self.sink_receive()
+        if done.group != group:
+            raise SessionError(f"the sink answered step {done.group}, expected {group}")
+        return done.tokens
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]
+    stopped_by_eos: bool
+
+
+async def generate(pipe: Pipeline, prompt: list[int], *, max_tokens: int, sampling: Sampling,
+                   eos_ids: frozenset[int], slot: int = 0, resume_from: int = 0, chunk: int = 64,
+                   on_token: Callable[[int], None] | None = None) -> GenerationResult:
+    """Prefill `prompt[resume_from:]` in chunks (KV before `resume_from` is kept), then decode up to `max_tokens`.
+
+    Prefill chunks are all submitted before any answer is awaited: in peer-to-peer mode stage 1 computes chunk 2
+    while stage 2 computes chunk 1. Only the last prefill column asks for logits.
+    """
+    if not prompt:
+        raise SessionError("empty prompt")
+    resume_from = min(resume_from, len(prompt) - 1)
+    await pipe.inband(proto.Rollback(slot, resume_from) if resume_from else proto.ZeroSlot(slot))
+    groups = []
+    for a in range(resume_from, len(prompt), chunk):
+        b = min(a + chunk, len(prompt))
+        cols = [Column(p, slot, p == len(prompt) - 1, prompt[p]) for p in range(a, b)]
+        groups.append(await pipe.submit(cols, sampling))
+    answers = [await pipe.collect(g) for g in groups]
+    if not answers[-1]:
+        raise SessionError("the last stage returned no token for the prompt")
+    out: list[int] = []
+    tok, pos = int(answers[-1][-1]), len(prompt)
+    while True:
+        out.append(tok)
+        if on_token:
+            on_token(tok)
+        if tok in eos_ids:
+            return GenerationResult(len(prompt), out, True)
+        if len(out) >= max_tokens:
+            return GenerationResult(len(prompt), out, False)
+        (tok,) = await pipe.step([Column(pos, slot, True, tok)], sampling)
+        pos += 1

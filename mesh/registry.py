@@ -1,0 +1,115 @@
+"""The coordinator's fleet registry: peers dial in, authenticate, say Join, and wait in a pool.
+
+The dialed-in socket becomes the peer's control connection, so a peer behind NAT needs no inbound port. The registry
+stays open for the coordinator's whole life: late joiners land in the pool, and a session takes a snapshot of it.
+A member's connection lives in the task that admitted it; a session borrows the link and hands it back with
+`release()`, which closes it, and the peer re-joins for the next session.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import trio
+
+import transport
+from mesh import proto
+from mesh.errors import FleetError
+from mesh.link import LinkError, open_link
+
+log = logging.getLogger("mesh.registry")
+HANDSHAKE_SECONDS = 10.0
+
+
+@dataclass(eq=False)
+class Member:
+    link: object
+    host: str
+    join: proto.Join
+    number: int
+    released: trio.Event = field(default_factory=trio.Event)
+    gone: bool = False
+
+    @property
+    def hop_addr(self) -> str:
+        """Where the predecessor dials this peer: its advertised address, else its source IP and listen port."""
+        if self.join.advertise:
+            return self.join.advertise
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.join.listen_port}"
+
+    @property
+    def name(self) -> str:
+        return f"peer {self.number} ({self.host})"
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class Registry:
+    def __init__(self, token: bytes | None):
+        self.token = token
+        self.members: list[Member] = []
+        self._joined = 0
+        self._changed = trio.Event()
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await transport.serve_listener(host, port, self._admit, task_status=task_status)
+
+    async def _admit(self, stream) -> None:
+        host = transport.remote_host(stream) or "?"
+        try:
+            with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
+                async with open_link(stream, token=self.token, role="server") as link:
+                    first = await link.receive()
+                    handshake.deadline = math.inf
+                    if not isinstance(first, proto.Join):
+                        await link.send(proto.Error(proto.ErrorCode.BAD_STATE,
+                                                    f"expected Join, got {type(first).__name__}"))
+                        log.warning("refused %s: first message was %s, not Join", host, type(first).__name__)
+                        return
+                    self._joined += 1
+                    member = Member(link, host, first, self._joined)
+                    self._add(member)
+                    try:
+                        await member.released.wait()
+                    finally:
+                        member.gone = True
+                        self._remove(member)
+        except trio.TooSlowError:
+            log.warning("refused %s: no handshake within %.0fs", host, HANDSHAKE_SECONDS)
+        except (LinkError, proto.ProtoError, transport.TransportError) as exc:
+            log.warning("peer %s: %s", host, exc)
+
+    def _add(self, m: Member) -> None:
+        self.members.append(m)
+        log.info("%s joined (hops at %s, %d MB); %d in the pool", m.name, m.hop_addr, m.join.memory_mb,
+                 len(self.members))
+        self._notify()
+
+    def _remove(self, m: Member) -> None:
+        if m in self.members:
+            self.members.remove(m)
+            log.info("%s left; %d in the pool", m.name, len(self.members))
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, n: int, settle: float) -> list[Member]:
+        """Wait until `n` peers are pooled, then for a settling window that absorbs stragglers; snapshot the pool."""
+        while len(self.members) < n:
+            await self._changed.wait()
+        with trio.move_on_after(settle * 4):   # a quiet window of `settle` seconds, restarted by each new join
+            while True:
+                changed = self._changed
+                with trio.move_on_after(settle) as quiet:
+                    await changed.wait()
+                if quiet.cancelled_caught:
+                    break
+        members = list(self.members)
+        if len(members) < n:
+            raise FleetError(f"only {len(members)} of {n} peers are still connected")
+        return members
