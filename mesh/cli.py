@@ -72,6 +72,8 @@ def coord_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-webrtc", action="store_true", help="fall back to WebRTC for hops a direct dial cannot make")
     p.add_argument("--webrtc-hops", type=_hops, default=(), help="force these hops (1 = peer 1 -> peer 2) onto WebRTC")
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--json", action="store_true",
+                   help="with --prompt: print one JSON object (text, token ids, timings) instead of streaming text")
     _common(p)
     return p
 
@@ -115,15 +117,28 @@ async def _run_coord(cfg, args) -> None:
             async with AsyncExitStack() as stack:
                 fleet, pipe = await coord.form(nursery, stack)
                 if args.prompt is not None:
-                    ids = coord.encode(args.prompt, template=args.template)
-                    await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling, stream_to=sys.stdout)
-                    sys.stdout.write("\n")
-                    sys.stdout.flush()
+                    await _answer_once(coord, pipe, args, sampling)
                 else:
                     await _chat(coord, pipe, args, sampling)
             nursery.cancel_scope.cancel()
     except MeshError as exc:
         sys.exit(f"mesh-coord: {exc}")
+
+
+async def _answer_once(coord, pipe, args, sampling) -> None:
+    ids = coord.encode(args.prompt, template=args.template)
+    t0 = trio.current_time()
+    out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
+                             stream_to=None if args.json else sys.stdout)
+    elapsed = trio.current_time() - t0
+    if args.json:
+        import json
+        from engine.chat import strip_stop_markers, stop_markers
+        text = strip_stop_markers(coord.tokenizer.decode(out), stop_markers(coord.tokenizer))
+        print(json.dumps({"text": text, "tokens": out, "prompt_tokens": len(ids), "seconds": round(elapsed, 4)}))
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 async def _chat(coord, pipe, args, sampling) -> None:
