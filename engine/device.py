@@ -1,0 +1,84 @@
+"""Choosing the tinygrad device for a worker, with the fallbacks a bare machine needs, and probing it.
+
+tinygrad 0.14 names a device and its renderer in one `DEV` value (`CPU`, `CPU:X86`, `CUDA`, `CUDA:PTX`); the older
+`CUDA_PTX=1` style variables now trip an assertion, so the fallbacks are expressed as `DEV` values:
+- CPU without `clang` on PATH -> `CPU:X86` (tinygrad's own x86 backend, about 2x slower, needs no compiler);
+- CUDA without `nvcc` on PATH -> `CUDA:PTX` (PTX handed to the driver, no CUDA toolkit needed).
+A device string that already names a renderer is taken as given.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.errors import EngineError
+
+
+class DeviceError(EngineError):
+    """The device cannot be selected or does not compute correctly."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    requested: str | None
+    selected: str  # the DEV value to run with
+    compiler: str  # "default", "x86" or "ptx"
+    reason: str  # why a fallback was taken; "" when none was
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    device: str
+    values: tuple[int, ...]
+    ms: float
+
+
+def choose_device(requested: str | None, *, default: Callable[[], str],
+                  which: Callable[[str], str | None] = shutil.which) -> DeviceChoice:
+    """Resolve `requested` (None: the DEV environment variable, else tinygrad's own default, asked lazily through
+    `default`) and apply the compiler fallbacks."""
+    name = requested if requested is not None else (os.environ.get("DEV") or default())
+    name = name.strip()
+    if not name or any(c.isspace() for c in name):
+        raise DeviceError(f"device name {name!r} is empty or holds whitespace")
+    kind, _, rest = name.partition(":")
+    kind = kind.upper()
+    if rest:
+        return DeviceChoice(requested, name, "default", "")
+    if kind == "CPU" and which("clang") is None:
+        return DeviceChoice(requested, "CPU:X86", "x86", "clang not found on PATH")
+    if kind == "CUDA" and which("nvcc") is None:
+        return DeviceChoice(requested, "CUDA:PTX", "ptx", "nvcc not found on PATH")
+    return DeviceChoice(requested, name, "default", "")
+
+
+def apply_device(choice: DeviceChoice) -> None:
+    """Make `choice` tinygrad's default device in this process (and in processes it spawns)."""
+    os.environ["DEV"] = choice.selected
+    from tinygrad.helpers import DEV
+    DEV.value = choice.selected
+
+
+def tinygrad_default() -> str:
+    from tinygrad import Device
+    return Device.DEFAULT
+
+
+def probe_device() -> Probe:
+    """Realize a tiny tensor on the default device and read it back; raises DeviceError if that fails or reads
+    wrong. The first realize also compiles a kernel, so this proves the compiler too."""
+    t0 = time.perf_counter()
+    device = os.environ.get("DEV", "?")
+    try:
+        from tinygrad import Device, Tensor, dtypes
+        device = Device.DEFAULT
+        values = tuple(int(v) for v in (Tensor([1, 2, 3], dtype=dtypes.int32, device=device) * 2).realize().tolist())
+    except Exception as exc:  # tinygrad raises many kinds of errors for a missing device or compiler
+        raise DeviceError(f"device {device} failed its probe: {type(exc).__name__}: {exc}") from exc
+    if values != (2, 4, 6):
+        raise DeviceError(f"device {device} computed {list(values)} for [1,2,3]*2")
+    return Probe(device, values, (time.perf_counter() - t0) * 1000)

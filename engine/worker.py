@@ -1,0 +1,338 @@
+"""The client of a worker process: a Stage that lives in a child process, driven over trio.
+
+    async with open_worker(device="CPU") as w:
+        info = await w.load(path, 0, 15, n_slots=4, max_context=2048)
+        hidden = await w.step(cols, None, sampling)
+
+Control messages are JSON lines on the child's stdin/stdout (engine.worker_proto); activations and token ids go
+through a shared-memory arena of two rings (engine.arena). Commands are answered one at a time, in order; a lock
+serializes callers. The reply is read by the call that awaits it: when the child dies its stdout reaches EOF at once,
+so a caller waiting for a reply gets `WorkerDied` promptly, with the exit code or signal.
+
+Callers own timeouts (`trio.fail_after` around any call). A reply that arrives after its caller was cancelled is
+recognized by its `reply_to` and discarded (its output record is consumed so the ring stays in step).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+import numpy as np
+import trio
+
+from engine.arena import (EGRESS, INGRESS, RECORD_HEADER_LEN, Arena, ArenaError, RecordError, RecordRef,
+                          RingReader, RingWriter)
+from engine.errors import EngineError
+from engine.worker_proto import (MAX_LINE, Command, CommandError, Done, Envelope, Fatal, Initialize, Load, Loaded,
+                                 Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireColumn, WireError,
+                                 WorkerInfo, ZeroSlot, command_name, decode_event, encode_command)
+
+__all__ = ["open_worker", "Worker", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
+           "DEFAULT_ARENA_BYTES"]
+
+DEFAULT_ARENA_BYTES = 64 << 20  # memfd pages are only backed once touched; 32 MiB per ring fits big prefills
+SHUTDOWN_GRACE_S = 5.0  # how long aclose waits for a graceful Stopped before it kills the child
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class WorkerError(EngineError):
+    """Base of the errors a worker client raises."""
+
+
+class WorkerDied(WorkerError):
+    """The child process exited or was killed. `returncode` is negative for a signal, as in subprocess."""
+
+    def __init__(self, pid: int, returncode: int | None, during: str) -> None:
+        self.pid = pid
+        self.returncode = returncode
+        self.signal = -returncode if returncode is not None and returncode < 0 else None
+        self.exit_code = returncode if returncode is not None and returncode >= 0 else None
+        if self.signal is not None:
+            how = f"was killed by {signal.Signals(self.signal).name}"
+        elif returncode is not None:
+            how = f"exited with code {returncode}"
+        else:
+            how = "closed its event channel"
+        super().__init__(f"worker process {pid} {how} during {during}")
+
+
+class WorkerFatal(WorkerError):
+    """The worker reported a fatal problem (and exits), or sent something this client cannot trust.
+    `kind` names it; for a corrupt ring record it is "record.<field>"."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"worker fatal {kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+    @property
+    def field(self) -> str | None:
+        return self.kind.removeprefix("record.") if self.kind.startswith("record.") else None
+
+
+class WorkerCommandError(WorkerError):
+    """The worker refused a command (out of order, wrong arguments) or it failed harmlessly; the worker goes on."""
+
+    def __init__(self, command: str, reason: str) -> None:
+        super().__init__(f"worker refused {command}: {reason}")
+        self.command = command
+        self.reason = reason
+
+
+def _wire_columns(cols: Sequence[Any]) -> tuple[WireColumn, ...]:
+    return tuple(WireColumn(int(c.pos), int(c.slot), bool(c.needs_logits), int(c.token)) for c in cols)
+
+
+def _wire_sampling(sampling: Any) -> dict[str, Any]:
+    import dataclasses
+    if dataclasses.is_dataclass(sampling):
+        return {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
+    raise WorkerCommandError("Step", f"sampling must be an engine.stage.Sampling, got {type(sampling).__name__}")
+
+
+class Worker:
+    """A running worker process. Build it with `open_worker`."""
+
+    def __init__(self, process: trio.Process, arena: Arena) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.arena = arena
+        self.ingress = RingWriter(arena, INGRESS)
+        self.egress = RingReader(arena, EGRESS)
+        self.ready: Ready | None = None
+        self.info: WorkerInfo | None = None
+        self.events: list[Envelope] = []  # the most recent envelopes, for diagnostics
+        self._lock = trio.StrictFIFOLock()
+        self._cid = 0
+        self._step_id = 0
+        self._last_seq = 0
+        self._buf = bytearray()
+        self._broken: WorkerError | None = None
+        self._closed = False
+
+    # ---- the Stage-like API ----
+
+    async def load(self, path: str | os.PathLike, start: int, end: int, *, n_slots: int = 4,
+                   max_context: int = 2048) -> WorkerInfo:
+        ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context), Loaded)
+        self.info = ev.info
+        return ev.info
+
+    async def step(self, cols: Sequence[Any], hidden: np.ndarray | None, sampling: Any) -> np.ndarray:
+        """Like `Stage.step`: (len(cols), dim) activations for a non-last stage, int32 token ids for the last."""
+        async with self._lock:
+            self._check_usable()
+            wire = self._wire_step(cols, sampling)  # everything that can refuse goes before the ring write
+            step_id = self._next_step_id()
+            ref = None
+            if hidden is not None:
+                try:
+                    ref = self.ingress.write(step_id, np.ascontiguousarray(hidden))
+                except ArenaError as exc:
+                    self._step_id -= 1
+                    raise WorkerCommandError("Step", str(exc)) from None
+            return await self._step_locked(step_id, wire, len(cols), ref)
+
+    async def step_record(self, cols: Sequence[Any], ref: RecordRef | None, sampling: Any) -> np.ndarray:
+        """`step` with an input the caller already wrote to the ingress ring, as
+        `w.ingress.write(w.next_step_id, array)`. Lets a caller (or a test) place the record itself."""
+        async with self._lock:
+            wire = self._wire_step(cols, sampling)
+            return await self._step_locked(self._next_step_id(), wire, len(cols), ref)
+
+    @property
+    def next_step_id(self) -> int:
+        return self._step_id + 1
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _wire_step(self, cols: Sequence[Any], sampling: Any) -> tuple[tuple[WireColumn, ...], dict[str, Any]]:
+        if self.info is not None and not self.info.last:
+            need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + RECORD_HEADER_LEN
+            if need > self.arena.capacity:
+                raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
+                                                 f"holds {self.arena.capacity}; open the worker with a larger arena")
+        return _wire_columns(cols), _wire_sampling(sampling)
+
+    async def _step_locked(self, step_id: int, wire: tuple[tuple[WireColumn, ...], dict[str, Any]], n_cols: int,
+                           ref: RecordRef | None) -> np.ndarray:
+        cols, sampling = wire
+        ev = await self._request_locked(lambda cid: Step(cid, step_id, cols, sampling, ref), StepDone)
+        if ev.step_id != step_id or ev.output.object_id != step_id:
+            raise self._break(WorkerFatal("protocol", f"step {step_id} answered for step {ev.step_id} "
+                                                      f"(object {ev.output.object_id})"))
+        out = self._take(ev.output)
+        if self.info is not None and not self.info.last:
+            out = out.reshape(n_cols, self.info.dim)
+        return out
+
+    async def zero_slot(self, slot: int) -> None:
+        await self._request(lambda cid: ZeroSlot(cid, slot), Done)
+
+    async def reset(self) -> None:
+        await self._request(lambda cid: Reset(cid), Done)
+
+    async def rollback(self, slot: int, pos: int) -> None:
+        await self._request(lambda cid: Rollback(cid, slot, pos), Done)
+
+    async def aclose(self) -> None:
+        """Ask the child to stop; kill it if it lingers or cannot be asked. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            if self._broken is None and self.process.returncode is None:
+                with trio.move_on_after(SHUTDOWN_GRACE_S):
+                    try:
+                        await self._request(lambda cid: Shutdown(cid), Stopped, closing=True)
+                    except WorkerError:
+                        pass
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.wait()
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    await stream.aclose()
+            if self._broken is None:
+                self._broken = WorkerError(f"worker process {self.pid} is closed")
+            self.arena.close()
+
+    # ---- request / reply ----
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    async def _request(self, make: Any, expect: type, *, closing: bool = False) -> Any:
+        async with self._lock:
+            return await self._request_locked(make, expect, closing=closing)
+
+    async def _request_locked(self, make: Any, expect: type, *, closing: bool = False) -> Any:
+        if self._closed and not closing:
+            raise WorkerError(f"worker process {self.pid} is closed")
+        self._check_usable()
+        self._cid += 1
+        cmd: Command = make(self._cid)
+        await self._send(cmd)
+        while True:
+            env = await self._next_event(command_name(cmd))
+            ev = env.event
+            if isinstance(ev, Fatal):
+                raise self._break(WorkerFatal(ev.kind, ev.detail))
+            if env.reply_to != cmd.cid:
+                if env.reply_to < cmd.cid:
+                    self._discard_stale(env)
+                    continue
+                raise self._break(WorkerFatal("protocol", f"reply to command {env.reply_to} before command "
+                                                          f"{cmd.cid} was answered"))
+            if isinstance(ev, CommandError):
+                raise WorkerCommandError(ev.command, ev.reason)
+            if not isinstance(ev, expect):
+                raise self._break(WorkerFatal("protocol", f"{command_name(cmd)} was answered with "
+                                                          f"{type(ev).__name__}, expected {expect.__name__}"))
+            return ev
+
+    def _discard_stale(self, env: Envelope) -> None:
+        # the caller of that command was cancelled; its output record still has to be consumed in order
+        if isinstance(env.event, StepDone):
+            self._take(env.event.output)
+
+    def _take(self, ref: RecordRef) -> np.ndarray:
+        try:
+            return self.egress.take(ref)
+        except RecordError as exc:
+            raise self._break(WorkerFatal(f"record.{exc.field}", str(exc))) from None
+
+    async def _send(self, cmd: Command) -> None:
+        line = encode_command(cmd)
+        # shielded: a half-written command line would desynchronize the channel for good; lines are small and the
+        # child drains stdin between commands, so this does not block for long
+        with trio.CancelScope(shield=True):
+            try:
+                await self.process.stdin.send_all(line)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise await self._died(command_name(cmd)) from None
+
+    async def _next_event(self, during: str) -> Envelope:
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self._buf[:nl])
+                del self._buf[:nl + 1]
+                return self._decode(line)
+            if len(self._buf) > MAX_LINE:
+                raise self._break(WorkerFatal("protocol", f"event line longer than {MAX_LINE} bytes"))
+            try:
+                chunk = await self.process.stdout.receive_some(1 << 16)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                raise await self._died(during)
+            self._buf += chunk
+
+    def _decode(self, line: bytes) -> Envelope:
+        try:
+            env = decode_event(line)
+        except WireError as exc:
+            raise self._break(WorkerFatal("protocol", f"bad event line: {exc}")) from None
+        if env.seq != self._last_seq + 1:
+            raise self._break(WorkerFatal("protocol", f"event sequence {env.seq} after {self._last_seq}"))
+        if env.pid != self.pid:
+            raise self._break(WorkerFatal("protocol", f"event from pid {env.pid}, the worker is {self.pid}"))
+        self._last_seq = env.seq
+        self.events.append(env)
+        del self.events[:-64]
+        return env
+
+    async def _died(self, during: str) -> WorkerError:
+        if self._broken is not None:
+            return self._broken
+        # EOF on stdout: the child is gone or going; its exit status follows at once
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+                await self.process.wait()
+        return self._break(WorkerDied(self.pid, self.process.returncode, during))
+
+    def _break(self, exc: WorkerError) -> WorkerError:
+        """Record that the worker can no longer be used; a fatal worker is killed now rather than trusted to exit."""
+        if self._broken is None:
+            self._broken = exc
+            if self.process.returncode is None and not isinstance(exc, WorkerDied):
+                self.process.kill()
+        return exc
+
+
+@asynccontextmanager
+async def open_worker(*, device: str | None = None, arena_bytes: int = DEFAULT_ARENA_BYTES,
+                      env: dict[str, str] | None = None) -> AsyncIterator[Worker]:
+    """Start a worker process, initialize its device (probe included) and yield the client. On exit the worker is
+    shut down (killed if it lingers). `device` is a tinygrad DEV value ("CPU", "CUDA", "CPU:X86"); None lets the
+    child choose. `env` replaces the child's environment (PYTHONPATH is set so `engine` is importable)."""
+    arena = Arena.create(arena_bytes)
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, child_env.get("PYTHONPATH")) if p)
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "engine.worker_main", "--arena-fd", str(arena.fd), "--arena-bytes",
+             str(arena_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, pass_fds=(arena.fd,), env=child_env)
+    except OSError as exc:
+        arena.close()
+        raise WorkerError(f"cannot start the worker process: {exc}") from exc
+    worker = Worker(process, arena)
+    try:
+        worker.ready = await worker._request(lambda cid: Initialize(cid, device), Ready)
+        yield worker
+    finally:
+        await worker.aclose()
