@@ -15,6 +15,7 @@ recognized by its `reply_to` and discarded (its output record is consumed so the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -89,11 +90,15 @@ def _wire_columns(cols: Sequence[Any]) -> tuple[WireColumn, ...]:
     return tuple(WireColumn(int(c.pos), int(c.slot), bool(c.needs_logits), int(c.token)) for c in cols)
 
 
-def _wire_sampling(sampling: Any) -> dict[str, Any]:
-    import dataclasses
-    if dataclasses.is_dataclass(sampling):
-        return {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
-    raise WorkerCommandError("Step", f"sampling must be an engine.stage.Sampling, got {type(sampling).__name__}")
+def _wire_sampling(sampling: Any) -> tuple[tuple[dict[str, Any], ...], bool]:
+    per_column = isinstance(sampling, (list, tuple))
+    out = []
+    for s in (sampling if per_column else [sampling]):
+        if not dataclasses.is_dataclass(s) or isinstance(s, type):
+            raise WorkerCommandError("Step", f"sampling must be an engine.stage.Sampling or a sequence of them, "
+                                             f"got {type(s).__name__}")
+        out.append({f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
+    return tuple(out), per_column
 
 
 class Worker:
@@ -154,18 +159,17 @@ class Worker:
         self._step_id += 1
         return self._step_id
 
-    def _wire_step(self, cols: Sequence[Any], sampling: Any) -> tuple[tuple[WireColumn, ...], dict[str, Any]]:
+    def _wire_step(self, cols: Sequence[Any], sampling: Any) -> tuple[Any, ...]:
         if self.info is not None and not self.info.last:
             need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + RECORD_HEADER_LEN
             if need > self.arena.capacity:
                 raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
                                                  f"holds {self.arena.capacity}; open the worker with a larger arena")
-        return _wire_columns(cols), _wire_sampling(sampling)
+        return (_wire_columns(cols), *_wire_sampling(sampling))
 
-    async def _step_locked(self, step_id: int, wire: tuple[tuple[WireColumn, ...], dict[str, Any]], n_cols: int,
-                           ref: RecordRef | None) -> np.ndarray:
-        cols, sampling = wire
-        ev = await self._request_locked(lambda cid: Step(cid, step_id, cols, sampling, ref), StepDone)
+    async def _step_locked(self, step_id: int, wire: tuple[Any, ...], n_cols: int, ref: RecordRef | None) -> np.ndarray:
+        cols, sampling, per_column = wire
+        ev = await self._request_locked(lambda cid: Step(cid, step_id, cols, sampling, per_column, ref), StepDone)
         if ev.step_id != step_id or ev.output.object_id != step_id:
             raise self._break(WorkerFatal("protocol", f"step {step_id} answered for step {ev.step_id} "
                                                       f"(object {ev.output.object_id})"))

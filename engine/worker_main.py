@@ -173,9 +173,12 @@ class WorkerLoop:
             hidden = hidden.reshape(len(cmd.columns), stage.meta.dim)
         try:
             cols = [Column(c.pos, c.slot, c.needs_logits, c.token) for c in cmd.columns]
-            sampling = Sampling(**cmd.sampling)
-        except TypeError as exc:
+            samplings = [Sampling(**s) for s in cmd.sampling]
+        except (TypeError, EngineError) as exc:
             raise _Refuse(f"bad columns or sampling: {exc}") from None
+        if not cmd.per_column and len(samplings) != 1:
+            raise _Refuse(f"{len(samplings)} sampling entries where one applies to all columns")
+        sampling = samplings if cmd.per_column else samplings[0]
         t0 = time.perf_counter()
         try:
             out = stage.step(cols, hidden, sampling)

@@ -64,7 +64,8 @@ class Step:
     cid: int
     step_id: int
     columns: tuple[WireColumn, ...]
-    sampling: dict[str, Any]
+    sampling: tuple[dict[str, Any], ...]  # Sampling fields; one for all columns, or one per needs_logits column
+    per_column: bool  # whether `sampling` is the per-column form (Stage.step takes either)
     input: RecordRef | None
 
 
