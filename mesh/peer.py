@@ -83,7 +83,7 @@ class Peer:
         host, _, port = self.cfg.listen.rpartition(":")
         async with open_worker(device=self.cfg.device) as worker:
             self.worker = worker
-            self.backend = getattr(worker, "backend", "") or ""
+            self.backend = f"{worker.ready.device}" if worker.ready else ""
             if self.cfg.layers:
                 if self.cfg.model is None:
                     raise SystemExit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
@@ -185,10 +185,10 @@ class Peer:
         elif isinstance(ev, (proto.Signal, proto.RtcServe, proto.RtcChain)):
             await self._handle_rtc(ev, link, stack)
         elif isinstance(ev, (proto.Draft, proto.DraftBatch, proto.DraftSeed)):
-            await link.send(proto.Error(proto.ErrorCode.UNSUPPORTED,
+            await link.send(proto.Error(proto.ErrorCode.BAD_REQUEST,
                                         "speculative drafting needs a draft head; this model has none"))
         else:
-            await link.send(proto.Error(proto.ErrorCode.BAD_STATE, f"{type(ev).__name__} is not a request"))
+            await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, f"{type(ev).__name__} is not a request"))
 
     def _info(self) -> proto.Info:
         start, end = self.loaded or (0, 0)
@@ -264,7 +264,7 @@ class Peer:
 
     async def _handle_step(self, ev, link) -> None:
         if self.loaded is None:
-            await link.send(proto.Error(proto.ErrorCode.NOT_LOADED, "no layers loaded yet"))
+            await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, "no layers loaded yet"))
             return
         if isinstance(ev, proto.Step):
             cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
