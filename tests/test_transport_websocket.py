@@ -1,0 +1,299 @@
+"""WebSocketStream over in-memory stream pairs: the trio stream contract, large messages, limits, control frames."""
+
+import pytest
+import trio
+import trio.testing
+import wsproto
+import wsproto.events as wse
+
+import transport.websocket as websocket
+from transport import HandshakeError, PrefixStream, WebSocketError, WebSocketStream, ws_accept, ws_connect
+
+
+@pytest.fixture
+def short_linger(monkeypatch):
+    # a closing side lingers for the peer's Close; the checks include a peer that never reads, so keep it short
+    monkeypatch.setattr(websocket, "CLOSE_GRACE_S", 0.05)
+
+
+async def upgrade(a, b, **kwargs):
+    """Client handshake on `a`, server handshake on `b`, concurrently."""
+    out = {}
+
+    async def client():
+        out["client"] = await ws_connect(a, "test.local:1", "/mesh", **kwargs)
+
+    async def server():
+        out["server"] = await ws_accept(b, **kwargs)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client)
+        nursery.start_soon(server)
+    return out["client"], out["server"]
+
+
+async def memory_ws_pair(**kwargs):
+    return await upgrade(*trio.testing.memory_stream_pair(), **kwargs)
+
+
+async def lockstep_ws_pair():
+    return await upgrade(*trio.testing.lockstep_stream_pair())
+
+
+async def test_check_two_way_stream(short_linger):
+    await trio.testing.check_two_way_stream(memory_ws_pair, lockstep_ws_pair)
+
+
+async def test_three_mib_message_crosses_intact():
+    client, server = await memory_ws_pair()
+    payload = bytes(range(256)) * (3 * 1024 * 1024 // 256)
+    got = bytearray()
+
+    async def receive():
+        while len(got) < len(payload):
+            got.extend(await server.receive_some())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await client.send_all(payload)
+    assert got == payload
+    assert server.path == "/mesh"
+
+
+async def test_send_all_is_one_message_fragmented_into_frames():
+    a, b = trio.testing.memory_stream_pair()
+    client, raw = await upgrade_client_only(a, b)
+    payload = b"z" * (websocket.FRAME_BYTES * 2 + 5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, payload)
+        events = await read_server_events(raw, until=lambda e: isinstance(e, wse.BytesMessage) and e.message_finished)
+    data = [e for e in events if isinstance(e, wse.BytesMessage)]
+    assert b"".join(e.data for e in data) == payload
+    assert [e.message_finished for e in data].count(True) == 1
+
+
+async def test_message_over_limit_breaks_with_1009():
+    client, server = await memory_ws_pair(max_message=1000)
+    server_small = server
+    # the client splits at its own limit; make the sender think the limit is larger than the receiver's
+    client.max_message = 5000
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, b"x" * 3000)
+        got = bytearray()
+        with pytest.raises(WebSocketError) as info:
+            while True:
+                got.extend(await server_small.receive_some())
+    assert info.value.code == 1009
+    assert "1000 bytes" in str(info.value)
+    assert isinstance(info.value, trio.BrokenResourceError)
+    assert len(got) <= 1000
+    # the sender learns of it as a Close with that code
+    assert await client.receive_some() == b""
+    with pytest.raises(trio.BrokenResourceError):
+        await client.send_all(b"more")
+
+
+async def test_send_all_over_limit_is_split_into_messages_the_peer_accepts():
+    client, server = await memory_ws_pair(max_message=1000)
+    payload = bytes(range(250)) * 20  # 5000 bytes: five messages of 1000
+    got = bytearray()
+
+    async def receive():
+        while len(got) < len(payload):
+            got.extend(await server.receive_some())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await client.send_all(payload)
+    assert got == payload
+
+
+async def test_text_message_is_refused_with_1003():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b)
+    await a.send_all(raw.send(wse.TextMessage(data="hello")))
+    with pytest.raises(WebSocketError, match="text message") as info:
+        await server.receive_some()
+    assert info.value.code == 1003
+
+
+async def test_ping_is_answered_and_data_still_flows():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b)
+    await a.send_all(raw.send(wse.Ping(payload=b"p1")) + raw.send(wse.BytesMessage(data=b"data")))
+    assert await server.receive_some() == b"data"
+    raw.receive_data(await a.receive_some())
+    assert [e for e in raw.events()] == [wse.Pong(payload=b"p1")]
+
+
+async def test_garbage_frame_breaks_the_stream_with_a_close_code():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b)
+    await a.send_all(b"\x8f\x80\x00\x00\x00\x00")  # opcode 0xF does not exist
+    with pytest.raises(WebSocketError, match="framing") as info:
+        await server.receive_some()
+    assert info.value.code == 1002
+    with pytest.raises(WebSocketError):
+        await server.send_all(b"x")
+
+
+async def test_peer_close_gives_eof_and_is_answered():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b)
+    await a.send_all(raw.send(wse.BytesMessage(data=b"last")) + raw.send(wse.CloseConnection(code=1000)))
+    assert await server.receive_some() == b"last"
+    assert await server.receive_some() == b""
+    assert await server.receive_some() == b""
+    raw.receive_data(await a.receive_some())
+    assert [type(e) for e in raw.events()] == [wse.CloseConnection]
+    with pytest.raises(trio.BrokenResourceError, match="closing"):
+        await server.send_all(b"x")
+    await server.aclose()
+
+
+async def test_abrupt_transport_eof_reads_as_eof():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b)
+    await a.send_all(raw.send(wse.BytesMessage(data=b"tail")))
+    await a.aclose()
+    assert await server.receive_some() == b"tail"
+    assert await server.receive_some() == b""
+
+
+async def test_client_bytes_sent_right_after_the_request_are_kept():
+    a, b = trio.testing.memory_stream_pair()
+    raw = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    request = raw.send(wse.Request(host="h:1", target="/"))
+    # a client may pipeline its first frame behind the upgrade request: still data for the accepted stream
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.send_all, request)
+        server = await ws_accept(b)
+    raw.receive_data(await a.receive_some())
+    assert [type(e) for e in raw.events()] == [wse.AcceptConnection]
+    await a.send_all(raw.send(wse.BytesMessage(data=b"first")))
+    assert await server.receive_some() == b"first"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "reason"),
+    [
+        (b"GARBAGE\r\n\r\n", b"400", "bad HTTP request"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"400", "Connection: Upgrade"),
+        (
+            b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 8\r\n\r\n",
+            b"426",
+            "Sec-WebSocket-Version",
+        ),
+        (b"G" + b"A" * 20000, b"400", "bad HTTP request"),
+    ],
+)
+async def test_bad_upgrade_gets_http_error_and_handshake_error(request_bytes, status, reason):
+    a, b = trio.testing.memory_stream_pair()
+    await a.send_all(request_bytes)
+    with pytest.raises(HandshakeError, match=reason) as info:
+        await ws_accept(b, peer="10.1.2.3:555")
+    assert "10.1.2.3:555" in str(info.value)
+    response = await a.receive_some()
+    assert response.startswith(b"HTTP/1.1 " + status)
+
+
+async def test_client_sees_refusal_as_handshake_error():
+    a, b = trio.testing.memory_stream_pair()
+
+    async def refuse():
+        await b.receive_some()
+        await b.send_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(refuse)
+        with pytest.raises(HandshakeError, match="HTTP 404"):
+            await ws_connect(a, "h:1", "/")
+
+
+async def test_client_sees_server_leaving_as_handshake_error():
+    a, b = trio.testing.memory_stream_pair()
+
+    async def leave():
+        await b.receive_some()
+        await b.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leave)
+        with pytest.raises(HandshakeError, match="closed the connection"):
+            await ws_connect(a, "h:1", "/")
+
+
+async def test_aclose_completes_the_close_handshake():
+    client, server = await memory_ws_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.aclose)
+        assert await server.receive_some() == b""
+    # the client lingered until the server's answer, so both sides saw a clean close
+    assert client._ws.state is wsproto.ConnectionState.CLOSED
+    assert server._ws.state is wsproto.ConnectionState.CLOSED
+
+
+async def test_prefix_stream_replays_then_reads_on():
+    a, b = trio.testing.memory_stream_pair()
+    stream = PrefixStream(b, b"abcdef")
+    await a.send_all(b"ghi")
+    assert await stream.receive_some(2) == b"ab"
+    assert await stream.receive_some() == b"cdef"
+    assert await stream.receive_some() == b"ghi"
+    await stream.send_all(b"back")
+    assert await a.receive_some() == b"back"
+    await stream.send_eof()
+    assert await a.receive_some() == b""
+    await stream.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await stream.receive_some()
+
+
+async def test_prefix_stream_check_half_closeable():
+    async def maker():
+        a, b = trio.testing.memory_stream_pair()
+        return PrefixStream(a, b""), PrefixStream(b, b"")
+
+    await trio.testing.check_half_closeable_stream(maker, None)
+
+
+# ---- helpers: one side is a bare wsproto connection we drive by hand ----
+
+
+async def upgrade_server_only(a, b):
+    raw = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.send_all, raw.send(wse.Request(host="h:1", target="/")))
+        server = await ws_accept(b)
+    raw.receive_data(await a.receive_some())
+    assert [type(e) for e in raw.events()] == [wse.AcceptConnection]
+    return raw, server
+
+
+async def upgrade_client_only(a, b):
+    raw = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
+
+    async def accept():
+        raw.receive_data(await b.receive_some())
+        assert [type(e) for e in raw.events()] == [wse.Request]
+        await b.send_all(raw.send(wse.AcceptConnection()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        client = await ws_connect(a, "h:1", "/")
+    return client, (raw, b)
+
+
+async def read_server_events(raw_and_stream, until):
+    raw, stream = raw_and_stream
+    events = []
+    while True:
+        raw.receive_data(await stream.receive_some())
+        for event in raw.events():
+            events.append(event)
+            if until(event):
+                return events
+
+
+assert issubclass(WebSocketStream, trio.abc.Stream)
