@@ -1,0 +1,653 @@
+"""Weight shipping: the coordinator streams a range-only GGUF to a modelless peer, resumably, into the peer's cache.
+
+Wire exchange (events from `mesh.proto`):
+
+    sender                                  receiver
+    ShipBegin(fp, start, end, total, sha) ->
+                                         <- ShipResume(offset)   bytes already on disk, re-hashed
+                                            | Error(BUSY)         another shipper holds the target
+    ShipChunk(offset, data) x N          ->                      (the Link's credit window bounds what is in flight)
+                                         <- Error(code, reason)  at most once, if the receiver fails mid-way
+    ShipEnd(sha256)                      ->
+                                         <- Ack(SHIP_END, code)  0: verified and renamed into place
+
+Cache layout (`ShipCache`): `<root>/<fingerprint>/<start>-<end>.gguf` is a complete entry; while shipping, the
+bytes land in `<start>-<end>.gguf.part` beside it, with `<start>-<end>.gguf.part.want` naming the content the
+partial belongs to (sha256 and size), so a partial of other bytes is never resumed. A dropped connection keeps the
+partial; the next ShipBegin re-hashes it and resumes at its end. The SHA-256 over the whole file, accumulated
+across resumes, is checked before fsync + os.replace; a mismatch discards the partial and the sender re-ships from
+zero once. One shipper per target: an in-process claim registry plus `fcntl.flock` on the partial (two
+coordinators, or two processes sharing one cache) -- the second is refused BUSY until the first lets go.
+
+`ShipReceiver` is the receiver's logic, sans-IO: fed events, it returns the event to send back; its only I/O is the
+cache directory, through an injectable `write`. `serve_ship` and `ship_range` are the trio glue over a Link.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import TextIO
+
+import trio
+
+from engine.gguf_range import (CHUNK_BYTES, KEY_FINGERPRINT, KEY_RANGE_END, KEY_RANGE_START, RangeGGUFError,
+                               RangePlan, plan_range_gguf, range_file_name, read_source_header)
+from mesh import proto
+from mesh.errors import MeshError
+
+__all__ = [
+    "ShipAck",
+    "ShipError",
+    "ShipBusy",
+    "ShipFailed",
+    "ShipCache",
+    "ShipReceiver",
+    "ShipProgress",
+    "ProgressBoard",
+    "ShipResult",
+    "default_cache_dir",
+    "complete_entry",
+    "serve_ship",
+    "ship_range",
+]
+
+log = logging.getLogger("mesh.shipping")
+ErrorCode = proto.ErrorCode
+_FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")  # one safe path component
+
+
+class ShipAck(IntEnum):
+    """`Ack(of=SHIP_END).code` values."""
+
+    OK = 0
+    TRUNCATED = 1      # ShipEnd came before every byte did; the partial is kept for a resume
+    HASH_MISMATCH = 2  # the bytes on disk do not hash to the announced sha256; the partial is discarded
+
+
+class ShipError(MeshError):
+    """A shipment failed; `code` is the wire ErrorCode that reports it, the message names the target and reason."""
+
+    def __init__(self, reason: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class ShipBusy(ShipError):
+    """Another shipper holds this target; retry once it lets go."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, ErrorCode.BUSY)
+
+
+class ShipFailed(ShipError):
+    """The receiver refused or failed the shipment (it said why), or the sender's source failed."""
+
+
+# --------------------------------------------------------------------------------------------------- the cache
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/mesh, else ~/.cache/mesh."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "mesh"
+
+
+def _check_fingerprint(fingerprint: str) -> str:
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+        raise ShipError(f"fingerprint {fingerprint!r} is not a safe cache directory name", ErrorCode.BAD_REQUEST)
+    return fingerprint
+
+
+class ShipCache:
+    """Paths of the shipped-weights cache under `root`."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"ShipCache({str(self.root)!r})"
+
+    def entry(self, fingerprint: str, start: int, end: int) -> Path:
+        return self.root / _check_fingerprint(fingerprint) / range_file_name(start, end)
+
+    def part(self, fingerprint: str, start: int, end: int) -> Path:
+        return self.entry(fingerprint, start, end).with_name(range_file_name(start, end) + ".part")
+
+    def complete(self, fingerprint: str, start: int, end: int) -> Path | None:
+        """The complete entry for this model and range, or None. The file must say it is that model's range."""
+        try:
+            path = self.entry(fingerprint, start, end)
+        except ShipError:
+            return None
+        if not path.is_file():
+            return None
+        try:
+            kv = read_source_header(path).kv_values
+        except RangeGGUFError as exc:
+            log.warning("ignoring unreadable cache entry %s: %s", path, exc)
+            return None
+        if (kv.get(KEY_FINGERPRINT), kv.get(KEY_RANGE_START), kv.get(KEY_RANGE_END)) != (fingerprint, start, end):
+            log.warning("ignoring cache entry %s: it holds %s layers %s..%s", path, kv.get(KEY_FINGERPRINT),
+                        kv.get(KEY_RANGE_START), kv.get(KEY_RANGE_END))
+            return None
+        return path
+
+
+def complete_entry(root: str | os.PathLike, fingerprint: str, start: int, end: int) -> Path | None:
+    """The cached range file a Load can use without shipping, or None."""
+    return ShipCache(root).complete(fingerprint, start, end)
+
+
+# One shipper per target within this process; fcntl.flock covers other processes.
+_claims: set[Path] = set()
+_claims_lock = threading.Lock()
+
+
+def _hash_file(fd: int, upto: int, h: hashlib._Hash, chunk: int = 4 * CHUNK_BYTES) -> int:
+    pos = 0
+    while pos < upto:
+        got = os.pread(fd, min(chunk, upto - pos), pos)
+        if not got:
+            break
+        h.update(got)
+        pos += len(got)
+    return pos
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------- receiver
+
+
+WriteFn = Callable[[int, memoryview], int]
+
+
+class ShipReceiver:
+    """One incoming shipment into a cache, sans-IO: `receive(event)` returns the event to send back, or None.
+
+    After the answer to ShipEnd, or after a ShipBegin refusal, `done` is set. Chunks after a mid-way failure are
+    dropped until ShipEnd closes the exchange. `close()` releases the claim and the lock and keeps the partial.
+    """
+
+    def __init__(self, cache: ShipCache | str | os.PathLike, *, write: WriteFn = os.write) -> None:
+        self.cache = cache if isinstance(cache, ShipCache) else ShipCache(cache)
+        self._write = write
+        self.begin_event: proto.ShipBegin | None = None
+        self.path: Path | None = None       # the complete entry, once committed
+        self.part: Path | None = None
+        self.resumed_at = 0
+        self.pos = 0
+        self.failed: ShipError | None = None
+        self.done = False
+        self._fd: int | None = None
+        self._claim: Path | None = None
+        self._hash = hashlib.sha256()
+        self._complete_already = False
+
+    # The sans-IO entry point.
+    def receive(self, ev: proto.Event) -> proto.Event | None:
+        if self.done:
+            raise ShipError(f"{type(ev).__name__} after the shipment finished", ErrorCode.UNEXPECTED)
+        if isinstance(ev, proto.ShipBegin) and self.begin_event is None:
+            try:
+                return proto.ShipResume(self.begin(ev))
+            except ShipError as exc:
+                self.done = True
+                self.close()
+                return proto.Error(exc.code, exc.reason)
+        if self.begin_event is None:
+            self.done = True
+            return proto.Error(ErrorCode.UNEXPECTED, f"{type(ev).__name__} before ShipBegin")
+        if isinstance(ev, proto.ShipChunk):
+            if self.failed is not None:
+                return None
+            try:
+                self.chunk(ev)
+            except ShipError as exc:
+                self.failed = exc
+                self.close()
+                return proto.Error(exc.code, exc.reason)
+            return None
+        if isinstance(ev, proto.ShipEnd):
+            self.done = True
+            if self.failed is not None:
+                return None  # the Error already answered this shipment
+            try:
+                return self.end(ev)
+            finally:
+                self.close()
+        self.done = True
+        self.close()
+        return proto.Error(ErrorCode.UNEXPECTED, f"{type(ev).__name__} in the middle of a shipment")
+
+    # The steps, each raising ShipError with the code to report.
+    def begin(self, ev: proto.ShipBegin) -> int:
+        """Claim the target, reconcile what is on disk with what is announced; return the offset to resume at."""
+        self.begin_event = ev
+        fp, start, end = ev.fingerprint, ev.start, ev.end
+        what = f"layers {start}..{end} of {fp[:16]}"
+        if not 0 <= start < end:
+            raise ShipError(f"ship of {what}: empty or negative layer range", ErrorCode.BAD_REQUEST)
+        if ev.name != range_file_name(start, end):
+            raise ShipError(f"ship of {what}: file name {ev.name!r} is not {range_file_name(start, end)!r}",
+                            ErrorCode.BAD_REQUEST)
+        if ev.total_bytes <= 0:
+            raise ShipError(f"ship of {what}: total size {ev.total_bytes} is not positive", ErrorCode.BAD_REQUEST)
+        entry, part = self.cache.entry(fp, start, end), self.cache.part(fp, start, end)
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ShipError(f"cache dir {entry.parent} is not writable: {exc.strerror or exc}") from None
+        self.part = part
+        self._claim_target(part)
+        self._fd = self._open_locked(part)
+
+        if entry.is_file() and entry.stat().st_size == ev.total_bytes:
+            # A complete entry with the announced content: nothing to ship. Hashing it costs one read, and only
+            # happens when a Load did not already accept the entry.
+            h = hashlib.sha256()
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                _hash_file(fd, ev.total_bytes, h)
+            finally:
+                os.close(fd)
+            if h.digest() == ev.sha256:
+                self._complete_already = True
+                self.path = entry
+                self.pos = self.resumed_at = ev.total_bytes
+                return self.pos
+
+        want = f"{ev.sha256.hex()} {ev.total_bytes}\n"
+        want_path = part.with_name(part.name + ".want")
+        size = os.fstat(self._fd).st_size
+        try:
+            recorded = want_path.read_text()
+        except (OSError, UnicodeDecodeError):
+            recorded = None
+        try:
+            if recorded != want or size > ev.total_bytes:
+                if size:
+                    log.info("discarding partial %s: it holds other bytes than the ones announced", part)
+                os.ftruncate(self._fd, 0)
+                size = 0
+                tmp = want_path.with_name(want_path.name + ".tmp")
+                tmp.write_text(want)
+                os.replace(tmp, want_path)
+            self.pos = self.resumed_at = _hash_file(self._fd, size, self._hash)
+            os.lseek(self._fd, self.pos, os.SEEK_SET)
+        except OSError as exc:
+            raise ShipError(f"cache dir {entry.parent}: cannot prepare {part.name}: {exc.strerror or exc}") from None
+        return self.pos
+
+    def chunk(self, ev: proto.ShipChunk) -> None:
+        b = self.begin_event
+        assert b is not None
+        if self._complete_already:
+            raise ShipError(f"chunk for {self._name()}, which is already complete", ErrorCode.UNEXPECTED)
+        if ev.offset != self.pos:
+            raise ShipError(f"chunk at offset {ev.offset}, expected {self.pos} for {self._name()}",
+                            ErrorCode.BAD_REQUEST)
+        if self.pos + len(ev.data) > b.total_bytes:
+            raise ShipError(f"chunk overruns {self._name()}: {self.pos}+{len(ev.data)} > {b.total_bytes} bytes",
+                            ErrorCode.BAD_REQUEST)
+        view = memoryview(ev.data)
+        try:
+            while view:
+                n = self._write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            why = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            raise ShipError(f"writing {self.part} at byte {self.pos}: {why}; the partial is kept") from None
+        self._hash.update(ev.data)
+        self.pos += len(ev.data)
+
+    def end(self, ev: proto.ShipEnd) -> proto.Ack:
+        b = self.begin_event
+        assert b is not None
+        if self._complete_already:
+            ok = ev.sha256 == b.sha256
+            return proto.Ack(proto.MsgType.SHIP_END, ShipAck.OK if ok else ShipAck.HASH_MISMATCH,
+                             "" if ok else f"ShipEnd sha256 differs from ShipBegin's for {self._name()}")
+        if self.pos < b.total_bytes:
+            return proto.Ack(proto.MsgType.SHIP_END, ShipAck.TRUNCATED,
+                             f"{self._name()}: received {self.pos} of {b.total_bytes} bytes; the partial is kept")
+        digest = self._hash.digest()
+        if digest != b.sha256 or ev.sha256 != b.sha256:
+            self._discard()
+            return proto.Ack(proto.MsgType.SHIP_END, ShipAck.HASH_MISMATCH,
+                             f"{self._name()}: sha256 {digest.hex()[:16]} of the received bytes is not the announced "
+                             f"{b.sha256.hex()[:16]}; the partial is discarded")
+        entry = self.cache.entry(b.fingerprint, b.start, b.end)
+        try:
+            os.fsync(self._fd)
+            os.replace(self.part, entry)
+            _fsync_dir(entry.parent)
+        except OSError as exc:
+            raise ShipError(f"committing {entry}: {exc.strerror or exc}") from None
+        self._unlink(self.part.with_name(self.part.name + ".want"))
+        self.path = entry
+        return proto.Ack(proto.MsgType.SHIP_END, ShipAck.OK, "")
+
+    def close(self) -> None:
+        """Release the lock and the claim; the partial stays for a resume. Idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops its flock
+            self._fd = None
+        if self._claim is not None:
+            with _claims_lock:
+                _claims.discard(self._claim)
+            self._claim = None
+
+    def __enter__(self) -> ShipReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _name(self) -> str:
+        b = self.begin_event
+        return f"{b.fingerprint[:16]}/{b.name}" if b else "shipment"
+
+    def _claim_target(self, part: Path) -> None:
+        key = part.resolve()
+        with _claims_lock:
+            if key in _claims:
+                raise ShipBusy(f"{self._name()} is being shipped by another connection; retry when it finishes")
+            _claims.add(key)
+        self._claim = key
+
+    def _open_locked(self, part: Path) -> int:
+        for _ in range(8):  # retry when a previous holder renamed the partial between our open and our lock
+            try:
+                fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ShipError(f"cache dir {part.parent} is not writable: {exc.strerror or exc}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ShipBusy(f"{self._name()} is being shipped by another process; retry when it finishes") \
+                    from None
+            try:
+                same = os.stat(part).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+        raise ShipBusy(f"{self._name()}: the partial keeps changing under us; retry")
+
+    def _discard(self) -> None:
+        if self.part is not None:
+            self._unlink(self.part)
+            self._unlink(self.part.with_name(self.part.name + ".want"))
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------- progress
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+@dataclass
+class ShipProgress:
+    """Bytes, rate and ETA of one shipment; time comes in as an argument."""
+
+    label: str
+    total: int
+    started: float
+    resumed_at: int = 0
+    done: int = 0
+    now: float = 0.0
+
+    def update(self, done: int, now: float) -> None:
+        self.done, self.now = done, now
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second that actually crossed the wire in this session."""
+        dt = self.now - self.started
+        return (self.done - self.resumed_at) / dt if dt > 0 else 0.0
+
+    def line(self) -> str:
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        rate = self.rate
+        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
+        resumed = f", resumed at {_mb(self.resumed_at)} MB" if self.resumed_at else ""
+        return (f"{self.label}: {_mb(self.done)}/{_mb(self.total)} MB {pct:5.1f}% "
+                f"{rate / 1e6:7.1f} MB/s ETA {eta}{resumed}")
+
+
+class ProgressBoard:
+    """One line per shipment on a terminal (redrawn in place); on a pipe, a line per shipment every `interval`."""
+
+    def __init__(self, stream: TextIO | None = None, *, interval: float = 2.0, tty: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.interval = interval if not self.tty else 0.1
+        self._rows: dict[int, ShipProgress] = {}
+        self._last: dict[int, float] = {}
+        self._drawn = 0
+
+    def update(self, p: ShipProgress, *, final: bool = False) -> None:
+        key = id(p)
+        self._rows[key] = p
+        if not final and p.now - self._last.get(key, -1e18) < self.interval:
+            return
+        self._last[key] = p.now
+        if self.tty:
+            self._redraw()
+            if final:  # a finished line stays where it is, above the live ones
+                self._rows.pop(key)
+                self._drawn -= 1
+        else:
+            self.stream.write(p.line() + (" done" if final and p.done == p.total else "") + "\n")
+            if final:
+                self._rows.pop(key)
+        if final:
+            self._last.pop(key, None)
+        self.stream.flush()
+
+    def _redraw(self) -> None:
+        out = [f"\x1b[{self._drawn}F"] if self._drawn else []
+        out += [f"\x1b[2K{p.line()}\n" for p in self._rows.values()]
+        self.stream.write("".join(out))
+        self._drawn = len(self._rows)
+
+
+_board: ProgressBoard | None = None
+
+
+def _default_board() -> ProgressBoard:
+    global _board
+    if _board is None:
+        _board = ProgressBoard()
+    return _board
+
+
+# --------------------------------------------------------------------------------------------------- trio glue
+
+
+@dataclass(frozen=True, slots=True)
+class ShipResult:
+    fingerprint: str
+    start: int
+    end: int
+    total_bytes: int
+    resumed_at: int      # bytes the receiver already held when the last attempt began
+    sent_bytes: int      # chunk bytes that crossed the wire, over every attempt
+    attempts: int
+    seconds: float
+
+
+async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.PathLike, *,
+                     write: WriteFn = os.write, log_every: float = 5.0) -> Path | None:
+    """Receive one shipment whose ShipBegin the caller has already read from `link`.
+
+    Returns the complete entry's path, or None when the shipment was refused or failed (the sender was told why,
+    and the reason is logged). Link errors propagate; the partial stays on disk for a resume either way.
+    """
+    rx = ShipReceiver(cache, write=write)
+    what = f"layers {begin.start}..{begin.end} of {begin.fingerprint[:16]}"
+    try:
+        reply = await trio.to_thread.run_sync(rx.receive, begin)
+        await link.send(reply)
+        if isinstance(reply, proto.Error):
+            log.warning("ship of %s refused: %s", what, reply.reason)
+            return None
+        now = trio.current_time()
+        progress = ShipProgress(f"receiving {what}", begin.total_bytes, now, rx.resumed_at, rx.resumed_at, now)
+        last = now
+        log.info("ship of %s: %s", what, "already complete" if rx.resumed_at == begin.total_bytes
+                 else f"resuming at {_mb(rx.resumed_at)} of {_mb(begin.total_bytes)} MB" if rx.resumed_at
+                 else f"receiving {_mb(begin.total_bytes)} MB")
+        while not rx.done:
+            ev = await link.receive()
+            if isinstance(ev, (proto.ShipChunk, proto.ShipEnd)):
+                # Hashing and writing release the GIL: in a thread they overlap the Link reading the next chunk.
+                reply = await trio.to_thread.run_sync(rx.receive, ev)
+            else:
+                reply = rx.receive(ev)
+            if reply is not None:
+                await link.send(reply)
+            if isinstance(reply, proto.Error):
+                log.warning("ship of %s failed: %s", what, reply.reason)
+            progress.update(rx.pos, trio.current_time())
+            if progress.now - last >= log_every:
+                last = progress.now
+                log.info("%s", progress.line())
+        if isinstance(reply, proto.Ack) and reply.code == ShipAck.OK:
+            log.info("%s done in %.1fs", progress.line(), progress.now - progress.started)
+            return rx.path
+        if isinstance(reply, proto.Ack):
+            log.warning("ship of %s failed: %s", what, reply.reason)
+        return None
+    finally:
+        rx.close()
+
+
+async def _await_reply(link) -> proto.Event:
+    """The receiver's one answer after ShipResume: an Ack, or an Error (as an event or the Link's RemoteError)."""
+    try:
+        return await link.receive()
+    except Exception as exc:
+        code = getattr(exc, "code", None)
+        if code is None or not hasattr(exc, "reason"):
+            raise
+        return proto.Error(ErrorCode(code), exc.reason)
+
+
+async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | None = None,
+                     end: int | None = None, *, label: str = "", board: ProgressBoard | None = None,
+                     chunk: int = CHUNK_BYTES) -> ShipResult:
+    """Ship layers [start, end) of the GGUF `source` (or an already made RangePlan) over `link`.
+
+    Resumes from whatever the receiver holds; if a resumed file fails its hash, re-ships once from zero.
+    Raises ShipBusy when another shipper holds the target, ShipFailed when the receiver reports a failure.
+    """
+    if isinstance(source, RangePlan):
+        plan = source
+    else:
+        if start is None or end is None:
+            raise ValueError("ship_range needs start and end with a source path")
+        plan = await trio.to_thread.run_sync(plan_range_gguf, source, start, end)
+    digest = await trio.to_thread.run_sync(plan.sha256)
+    board = board if board is not None else _default_board()
+    name = f"{label + ' ' if label else ''}layers {plan.start}..{plan.end}"
+    t0, sent, attempt = trio.current_time(), 0, 0
+    while True:
+        attempt += 1
+        resumed_at, n, reply = await _ship_once(link, plan, digest, chunk, name, board)
+        sent += n
+        if isinstance(reply, proto.Ack) and reply.code == ShipAck.OK:
+            return ShipResult(plan.fingerprint, plan.start, plan.end, plan.size, resumed_at, sent, attempt,
+                              trio.current_time() - t0)
+        if isinstance(reply, proto.Ack) and reply.code == ShipAck.HASH_MISMATCH and resumed_at > 0 and attempt == 1:
+            log.warning("%s: the resumed partial was corrupt (%s); shipping again from zero", name, reply.reason)
+            continue
+        reason = reply.reason if isinstance(reply, (proto.Ack, proto.Error)) else type(reply).__name__
+        raise ShipFailed(f"{name}: the receiver failed the shipment: {reason}",
+                         reply.code if isinstance(reply, proto.Error) else ErrorCode.INTERNAL)
+
+
+async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str,
+                     board: ProgressBoard) -> tuple[int, int, proto.Event]:
+    await link.send(proto.ShipBegin(plan.fingerprint, plan.start, plan.end, plan.size, digest, plan.name))
+    first = await _await_reply(link)
+    if isinstance(first, proto.Error):
+        if first.code == ErrorCode.BUSY:
+            raise ShipBusy(f"{name}: {first.reason}")
+        raise ShipFailed(f"{name}: the receiver refused the shipment: {first.reason}", first.code)
+    if not isinstance(first, proto.ShipResume) or not 0 <= first.offset <= plan.size:
+        raise ShipFailed(f"{name}: expected ShipResume within {plan.size} bytes, got {first!r:.100}",
+                         ErrorCode.UNEXPECTED)
+    offset = pos = first.offset
+    now = trio.current_time()
+    progress = ShipProgress(name, plan.size, now, offset, offset, now)
+    reply: list[proto.Event] = []
+    source_error: RangeGGUFError | None = None
+
+    async def watch(sending: trio.CancelScope) -> None:
+        reply.append(await _await_reply(link))
+        sending.cancel()  # an answer before ShipEnd is a failure: stop sending
+
+    try:
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as sending:
+                nursery.start_soon(watch, sending)
+                with closing(plan.iter_chunks(offset, chunk)) as chunks:
+                    while True:
+                        try:
+                            data = await trio.to_thread.run_sync(next, chunks, None)
+                        except RangeGGUFError as exc:
+                            source_error = exc
+                            break
+                        if data is None:
+                            break
+                        await link.send(proto.ShipChunk(pos, data))
+                        pos += len(data)
+                        progress.update(pos, trio.current_time())
+                        board.update(progress)
+            # ShipEnd closes the exchange in every case: the receiver verifies, reports a short file, or stops
+            # dropping the chunks that followed its Error.
+            await link.send(proto.ShipEnd(digest))
+    finally:
+        progress.update(pos, trio.current_time())
+        board.update(progress, final=True)
+    if source_error is not None:
+        raise ShipFailed(f"{name}: reading the source failed at byte {pos}: {source_error}")
+    return offset, pos - offset, reply[0]
