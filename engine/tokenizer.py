@@ -1,0 +1,362 @@
+"""Text to token ids and back, equal to llama.cpp's ids for the same GGUF.
+
+The GGUF carries a byte-level BPE vocabulary, its merges, and the name of the pre-tokenizer (`tokenizer.ggml.pre`)
+that llama.cpp selects by that name. We rebuild the same pipeline with the `tokenizers` library: llama.cpp's split
+regexes for that name, byte-level mapping, the GGUF's merges, and the control tokens registered as special so that
+`<|im_start|>` in the text becomes one id. Only the metadata is read, never the tensors, so this is fast even for a
+model of many gigabytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import AddedToken, Regex
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import models as _models
+from tokenizers import pre_tokenizers as _pre
+
+from engine.errors import EngineError, ModelFormatError, UnsupportedModel
+
+__all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "UnsupportedTokenizer", "read_tokenizer_metadata"]
+
+
+class TokenizerError(EngineError):
+    """A token id or a tokenizer setting is invalid."""
+
+
+class UnsupportedTokenizer(TokenizerError, UnsupportedModel):
+    """The GGUF's tokenizer model or pre-tokenizer is one this engine does not reproduce."""
+
+
+# --- GGUF metadata, tokenizer keys only -------------------------------------------------------------------------
+
+_GGUF_MAGIC = b"GGUF"
+# value type -> struct format of one scalar (little-endian); 8 = string, 9 = array
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF values from a memory map; every read is bounds-checked so a truncated file gives a clear error."""
+
+    __slots__ = ("buf", "pos", "path")
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            raise ModelFormatError(f"{self.path}: GGUF metadata is truncated at byte {start} (wanted {n} more)")
+        self.pos = start + n
+        return start
+
+    def unpack(self, fmt: str) -> object:
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        start = self.take(n)  # type: ignore[arg-type]
+        raw = self.buf[start : self.pos]
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ModelFormatError(f"{self.path}: GGUF string at byte {start} is not UTF-8: {exc}") from None
+
+    def value(self, vtype: int, keep: bool) -> object:
+        if vtype in _SCALAR:
+            return self.unpack(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype, count = self.unpack("<I"), self.unpack("<Q")
+            if itype in _SCALAR:
+                fmt = _SCALAR[itype]
+                size = struct.calcsize(fmt)
+                start = self.take(size * count)  # type: ignore[operator]
+                if not keep:
+                    return None
+                return [v[0] for v in struct.iter_unpack(fmt, self.buf[start : self.pos])]
+            if itype == _STRING:
+                # strings have no fixed size, so even a skipped array must be walked
+                if not keep:
+                    for _ in range(count):  # type: ignore[call-overload]
+                        self.take(self.unpack("<Q"))  # type: ignore[arg-type]
+                    return None
+                return [self.string() for _ in range(count)]  # type: ignore[call-overload]
+            raise ModelFormatError(f"{self.path}: GGUF array of element type {itype} is not supported")
+        raise ModelFormatError(f"{self.path}: GGUF value type {vtype} at byte {self.pos} is unknown")
+
+
+def read_tokenizer_metadata(path: str | Path) -> dict[str, object]:
+    """The GGUF's `tokenizer.*` key/value pairs, reading the metadata section only (no tensor table, no weights)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf, path)
+            if bytes(buf[cur.take(4) : cur.pos]) != _GGUF_MAGIC:
+                raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
+            version = cur.unpack("<I")
+            if version not in (2, 3):
+                raise ModelFormatError(f"{path}: GGUF version {version} is not supported (need 2 or 3, little-endian)")
+            cur.unpack("<Q")  # tensor count: not needed here
+            n_kv = cur.unpack("<Q")
+            out: dict[str, object] = {}
+            for _ in range(n_kv):  # type: ignore[call-overload]
+                key = cur.string()
+                vtype = cur.unpack("<I")
+                keep = key.startswith("tokenizer.")
+                val = cur.value(vtype, keep)  # type: ignore[arg-type]
+                if keep:
+                    out[key] = val
+            return out
+    except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file
+        raise ModelFormatError(f"{path}: cannot read GGUF metadata: {exc}") from None
+
+
+# --- llama.cpp's pre-tokenizers, by the name in tokenizer.ggml.pre ---------------------------------------------
+
+# llama.cpp (src/llama-vocab.cpp) rewrites HF's `(?i:'s|...)` into explicit case classes; same meaning.
+_LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split(pattern: str) -> _pre.PreTokenizer:
+    return _pre.Split(Regex(pattern), behavior="isolated", invert=False)
+
+
+def _byte_level(use_regex: bool) -> _pre.PreTokenizer:
+    # use_regex=True applies GPT-2's own split (the regex llama.cpp uses for gpt2/smollm) before the byte mapping
+    return _pre.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=use_regex)
+
+
+@dataclass(frozen=True, slots=True)
+class _PreConfig:
+    steps: tuple  # builders of the pre-tokenizer sequence
+    ignore_merges: bool  # a word already in the vocabulary is one token (llama3 only)
+    add_bos_default: bool  # llama.cpp's default when the GGUF lacks add_bos_token
+
+
+_PRE: dict[str, _PreConfig] = {
+    # smollm (and starcoder-style vocabularies): every digit alone, then GPT-2's split
+    "smollm": _PreConfig((lambda: _split(r"\p{N}"), lambda: _byte_level(True)), False, False),
+    "llama-bpe": _PreConfig((lambda: _split(_LLAMA3_SPLIT), lambda: _byte_level(False)), True, True),
+    "llama3": _PreConfig((lambda: _split(_LLAMA3_SPLIT), lambda: _byte_level(False)), True, True),
+    "qwen2": _PreConfig((lambda: _split(_QWEN2_SPLIT), lambda: _byte_level(False)), False, False),
+    "gpt2": _PreConfig((lambda: _byte_level(True),), False, False),
+}
+
+# llama.cpp's list of end-of-generation token texts; any control token with one of these texts ends generation.
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
+    "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|return|>", "<|call|>",
+})
+
+# token_type values in tokenizer.ggml.token_type (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable-character map, inverted: character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class Tokenizer:
+    """A GGUF's byte-level BPE tokenizer, producing llama.cpp's ids."""
+
+    def __init__(
+        self,
+        *,
+        tokens: list[str],
+        token_types: list[int],
+        merges: list[str],
+        pre: str,
+        bos_id: int | None,
+        eos_ids: frozenset[int],
+        eos_id: int | None = None,
+        add_bos: bool,
+        chat_template: str | None,
+        name: str = "<memory>",
+    ) -> None:
+        if pre not in _PRE:
+            raise UnsupportedTokenizer(
+                f"{name}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE))})"
+            )
+        if len(token_types) != len(tokens):
+            raise ModelFormatError(f"{name}: {len(tokens)} tokens but {len(token_types)} token types")
+        cfg = _PRE[pre]
+        self.name = name
+        self.pre = pre
+        self.vocab_size = len(tokens)
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids  # every id that ends generation
+        self.eos_id = eos_id  # the one the GGUF declares (a chat template's eos_token)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._tokens = tokens
+        self._types = token_types
+
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ModelFormatError(f"{name}: merge {m!r} is not two tokens separated by a space")
+            pairs.append((a, b))
+        bpe = _models.BPE(vocab=vocab, merges=pairs, ignore_merges=cfg.ignore_merges, fuse_unk=False)
+        hf = _HFTokenizer(bpe)
+        steps = [make() for make in cfg.steps]
+        hf.pre_tokenizer = steps[0] if len(steps) == 1 else _pre.Sequence(steps)
+        # llama.cpp splits the text on these before pre-tokenizing: control and unknown tokens as special,
+        # user-defined tokens too (they are matched even when special parsing is off)
+        hf.add_special_tokens([
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(token_types) if t in (_CONTROL, _UNKNOWN)
+        ])
+        hf.add_tokens([
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(token_types) if t == _USER_DEFINED
+        ])
+        self._hf = hf
+
+        to_byte = _byte_decoder()
+        table: list[bytes] = []
+        for tok, t in zip(tokens, token_types):
+            if t in (_NORMAL, _UNUSED, _BYTE):
+                try:
+                    table.append(bytes(to_byte[c] for c in tok))
+                    continue
+                except KeyError:
+                    pass  # not byte-level text (a token added verbatim): show it as written
+            table.append(tok.encode("utf-8"))
+        self._bytes = table
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """Build the tokenizer from a GGUF's metadata; refuses tokenizers llama.cpp would run differently."""
+        path = Path(path)
+        kv = read_tokenizer_metadata(path)
+        model = kv.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFormatError(f"{path}: GGUF has no tokenizer (tokenizer.ggml.model missing)")
+        if model != "gpt2":
+            raise UnsupportedTokenizer(
+                f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            )
+        pre = kv.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE:
+            raise UnsupportedTokenizer(
+                f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE))})"
+            )
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if not isinstance(kv.get(key), list):
+                raise ModelFormatError(f"{path}: GGUF lacks {key}")
+        tokens: list[str] = kv["tokenizer.ggml.tokens"]  # type: ignore[assignment]
+        types = kv.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+
+        def token_id(key: str) -> int | None:
+            v = kv.get(key)
+            if v is None:
+                return None
+            if not isinstance(v, int) or not 0 <= v < len(tokens):
+                raise ModelFormatError(f"{path}: {key} = {v!r} is not a token id below {len(tokens)}")
+            return v
+
+        bos = token_id("tokenizer.ggml.bos_token_id")
+        declared_eos = token_id("tokenizer.ggml.eos_token_id")
+        # end of generation: the declared eos/eot/eom ids plus every control token llama.cpp treats as one
+        eos = {i for k in ("eos", "eot", "eom") if (i := token_id(f"tokenizer.ggml.{k}_token_id")) is not None}
+        eos |= {i for i, (tok, t) in enumerate(zip(tokens, types)) if t == _CONTROL and tok in EOG_TEXTS}
+        add_bos = kv.get("tokenizer.ggml.add_bos_token", _PRE[pre].add_bos_default)
+        template = kv.get("tokenizer.chat_template")
+        return cls(
+            tokens=tokens,
+            token_types=list(types),  # type: ignore[arg-type]
+            merges=kv["tokenizer.ggml.merges"],  # type: ignore[arg-type]
+            pre=pre,  # type: ignore[arg-type]
+            bos_id=bos,
+            eos_ids=frozenset(eos),
+            eos_id=declared_eos,
+            add_bos=bool(add_bos) and bos is not None,
+            chat_template=template if isinstance(template, str) else None,
+            name=str(path),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for `text`; special-token text is parsed as special; BOS only if the GGUF asks for it."""
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        # a chat template that writes the BOS text itself must not end up with two
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (control tokens: their text); may be part of a UTF-8 character."""
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"{self.name}: token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        return self._bytes[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry as written in the GGUF (byte-level characters for ordinary tokens)."""
+        self.token_bytes(token_id)  # range check
+        return self._tokens[token_id]
+
+    def is_control(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size and self._types[token_id] == _CONTROL
+
+    def control_tokens(self) -> dict[str, int]:
+        """Text -> id of every control token."""
+        return {tok: i for i, (tok, t) in enumerate(zip(self._tokens, self._types)) if t == _CONTROL}
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, control tokens written out; bytes that are not valid UTF-8 become U+FFFD."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text without ever splitting a UTF-8 character.
+
+    Byte-level tokens can end in the middle of a multi-byte character (an emoji is often 2-4 tokens); the incomplete
+    tail waits for the next token. Invalid sequences become U+FFFD, as in `Tokenizer.decode`.
+    """
+
+    __slots__ = ("_tok", "_utf8")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        """The text completed by this token (possibly empty)."""
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is pending at the end of the stream (an unfinished character becomes U+FFFD); then reset."""
+        out = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return out
