@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -38,7 +38,7 @@ class IceServer:
 
     url: str
     username: str | None = None
-    credential: str | None = None
+    credential: str | None = field(default=None, repr=False)  # kept out of logs
 
 
 class _LoopPeer:
