@@ -235,6 +235,8 @@ class ShipReceiver:
                 return None  # the Error already answered this shipment
             try:
                 return self.end(ev)
+            except ShipError as exc:  # the commit itself failed (fsync, rename)
+                return proto.Error(exc.code, exc.reason)
             finally:
                 self.close()
         self.done = True
@@ -273,6 +275,8 @@ class ShipReceiver:
             finally:
                 os.close(fd)
             if h.digest() == ev.sha256:
+                if os.fstat(self._fd).st_size == 0:
+                    self._unlink(part)  # we created it only to hold the lock
                 self._complete_already = True
                 self.path = entry
                 self.pos = self.resumed_at = ev.total_bytes

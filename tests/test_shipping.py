@@ -73,6 +73,7 @@ def test_full_shipment_lands_atomically_and_is_reused(cache, plan, tmp_path):
     # A later session: the receiver already holds every byte, so nothing crosses the wire.
     offset, fed, ack = ship(cache, plan)
     assert (offset, fed, ack.code) == (plan.size, 0, ShipAck.OK)
+    assert leftovers(cache, plan) == ["1-3.gguf"]
 
 
 def test_dropped_shipment_resumes_with_only_the_remainder(cache, plan):
