@@ -1,0 +1,133 @@
+"""Layer-range loading: read from a GGUF only the tensors a stage holds, one tensor at a time.
+
+Each tensor's bytes are read with one positioned read of exactly that tensor's extent; nothing maps or reads
+the rest of the file, so a peer holding 4 of 30 layers never has the other 26 in memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as np_dequantize
+from tinygrad import Tensor, dtypes
+from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, ggml_data_to_tensor
+
+from .errors import ModelFormatError, RangeError, UnsupportedModel
+from .gguf_meta import GGUFFile, ModelMeta, TensorInfo
+
+WeightMode = Literal["f32", "f16", "quant"]
+TINYGRAD_TYPES = frozenset(_GGML_NATIVE) | frozenset(_GGML_QUANT)
+
+
+def check_range(meta: ModelMeta, start: int, end: int) -> None:
+    """A stage range must be a non-empty slice of the source model and lie inside a range-only file."""
+    if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start < end <= meta.n_layers:
+        raise RangeError(f"{meta.path}: layer range [{start}, {end}) is outside the model's {meta.n_layers} layers")
+    if meta.range is not None and not (meta.range[0] <= start and end <= meta.range[1]):
+        raise RangeError(f"{meta.path}: layer range [{start}, {end}) is outside the layers this file holds "
+                         f"[{meta.range[0]}, {meta.range[1]})")
+
+
+def block_tensor_names(meta: ModelMeta, layer: int) -> dict[str, str]:
+    """Short name -> GGUF name for one transformer block's tensors."""
+    names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+             "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    if meta.qkv_bias:
+        names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if meta.qk_norm:
+        names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    return {n: f"blk.{layer}.{n}" for n in names}
+
+
+def tensor_info(g: GGUFFile, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    info = g.tensors.get(name)
+    if info is None:
+        raise ModelFormatError(f"{g.path}: tensor {name!r} is missing")
+    if info.shape != shape:
+        raise ModelFormatError(f"{g.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+    if info.ggml_type not in TINYGRAD_TYPES:
+        raise UnsupportedModel(f"{g.path}: tensor {name!r} has type {info.type_name}, which tinygrad cannot dequantize")
+    return info
+
+
+def read_rows(g: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """The raw bytes of one tensor, shaped (rows, bytes per row)."""
+    try:
+        with open(g.path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+    except OSError as e:
+        raise ModelFormatError(f"{g.path}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
+    if len(raw) != info.nbytes:
+        raise ModelFormatError(f"{g.path}: truncated while reading tensor {info.name!r}")
+    rows = info.shape[0] if len(info.shape) > 1 else 1
+    return np.frombuffer(raw, dtype=np.uint8).reshape(rows, -1)
+
+
+def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the llama converter's q/k row permutation so adjacent-pair rotation becomes half-split rotation.
+
+    Rows are whole quant blocks, so this works on the raw bytes of any type: per head, rows (h, two) -> (two, h).
+    """
+    r, b = rows.shape
+    return rows.reshape(n_heads, r // n_heads // 2, 2, b).transpose(0, 2, 1, 3).reshape(r, b).copy()
+
+
+@dataclass(slots=True)
+class Weight:
+    """A weight as the stage holds it: dense (already dequantized) or raw quant blocks dequantized per use."""
+    tensor: Tensor
+    shape: tuple[int, ...]
+    ggml_type: int | None = None  # set when kept quantized
+
+    def value(self) -> Tensor:
+        if self.ggml_type is None:
+            return self.tensor
+        n = int(np.prod(self.shape))
+        return ggml_data_to_tensor(self.tensor.flatten(), n, self.ggml_type).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes()
+
+
+def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: int = 0) -> Weight:
+    """Read one tensor and materialise it: dequantized to f32/f16, or kept as raw quant blocks ('quant')."""
+    rows = read_rows(g, info)
+    if rope_heads:
+        rows = unpermute_rope_rows(rows, rope_heads)
+    raw = Tensor(rows)
+    is_float = info.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+    if mode == "quant" and not is_float and len(info.shape) > 1:
+        return Weight(raw.contiguous().realize(), info.shape, info.ggml_type)
+    n = int(np.prod(info.shape))
+    dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
+    # norms and biases stay f32: they are tiny and feed every activation
+    dtype = dtypes.float16 if mode != "f32" and len(info.shape) > 1 else dtypes.float32
+    return Weight(dense.cast(dtype).contiguous().realize(), info.shape)
+
+
+class EmbeddingTable:
+    """Token embedding rows kept as raw GGUF bytes and dequantized on the host per looked-up token.
+
+    Host lookup keeps the first stage's input kernels independent of the prompt length (no one-hot gather over
+    the vocabulary) and holds the table at its quantized size.
+    """
+
+    def __init__(self, g: GGUFFile, info: TensorInfo) -> None:
+        self.rows = read_rows(g, info)
+        self.ggml_type = GGMLQuantizationType(info.ggml_type)
+        self.vocab_size, self.dim = info.shape
+        try:
+            self.lookup(np.zeros(1, dtype=np.int64))
+        except NotImplementedError:
+            raise UnsupportedModel(f"{g.path}: token_embd type {info.type_name} cannot be dequantized on the host") from None
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:  # (N,) -> (N, dim) float32
+        return np_dequantize(self.rows[ids], self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes

@@ -1,0 +1,125 @@
+"""The stage model: a contiguous slice of a llama-family transformer, with per-slot KV caches.
+
+A step runs N columns (tokens) through the blocks. Columns come in groups; a group is one slot's run of
+consecutive positions (prefill: one group of many columns; batched decode: many groups of one column). The
+linear layers see all N columns at once; attention runs per group against that group's slot.
+
+Every block's output is realized on its own, so the kernels of a layer are the same whatever range the layer
+sits in: a split model produces bit-identical activations to the unsharded one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import DType
+
+from .loader import Weight
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One slot's run of consecutive positions inside a step: columns [col, col + n) at positions [pos, pos + n)."""
+    col: int
+    n: int
+    slot: UOp  # bound variable
+    pos: UOp  # bound variable
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * (x.square().mean(axis=-1, keepdim=True) + eps).rsqrt() * w
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x (N, heads, R) in half-split layout; cos/sin (N, 1, R/2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin for the given positions, computed on the host in float64 so every stage gets identical bits."""
+    inv = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    ang = positions.astype(np.float64)[:, None] * inv[None, :]  # (N, R/2)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class Block:
+    def __init__(self, w: dict[str, Weight], *, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int,
+                 norm_eps: float, n_slots: int, max_context: int, kv_dtype: DType) -> None:
+        self.w = w
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim = n_heads, n_kv_heads, head_dim, rope_dim
+        self.eps = norm_eps
+        shape = (n_slots, n_kv_heads, max_context, head_dim)
+        self.cache_k = Tensor.zeros(*shape, dtype=kv_dtype).contiguous().realize()
+        self.cache_v = Tensor.zeros(*shape, dtype=kv_dtype).contiguous().realize()
+
+    def _lin(self, x: Tensor, name: str) -> Tensor:
+        y = x @ self.w[name + ".weight"].value().T
+        bias = self.w.get(name + ".bias")
+        return y if bias is None else y + bias.value()
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.rope_dim == self.head_dim:
+            return rope(x, cos, sin)
+        return rope(x[..., :self.rope_dim], cos, sin).cat(x[..., self.rope_dim:], dim=-1)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Group]) -> Tensor:
+        N = x.shape[0]
+        H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
+        h = rms_norm(x, self.w["attn_norm.weight"].value(), self.eps)  # (N, D)
+        q = self._lin(h, "attn_q").reshape(N, H, Hd)
+        k = self._lin(h, "attn_k").reshape(N, KvH, Hd)
+        v = self._lin(h, "attn_v").reshape(N, KvH, Hd)
+        if "attn_q_norm.weight" in self.w:
+            q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
+            k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        Tensor.realize(q, k, v)
+
+        # write every group's keys/values first: a later group of the same step may attend to them
+        writes = []
+        for g in groups:
+            dst = (slice(g.slot, g.slot + 1), slice(None), slice(g.pos, g.pos + g.n))
+            kg = k[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_k.dtype)
+            vg = v[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_v.dtype)
+            writes += [self.cache_k[dst].assign(kg), self.cache_v[dst].assign(vg)]
+        Tensor.realize(*writes)
+
+        outs = []
+        scale = 1.0 / Hd ** 0.5
+        for g in groups:
+            L = g.pos + g.n
+            keys = self.cache_k[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
+            vals = self.cache_v[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
+            qg = q[g.col:g.col + g.n].reshape(g.n, KvH, H // KvH, Hd).permute(1, 2, 0, 3)  # (KvH, G, n, Hd)
+            att = (qg @ keys.transpose(-1, -2)) * scale  # (KvH, G, n, L)
+            if g.n > 1:  # causal inside the run: column t sees keys up to pos + t
+                att = att + Tensor.full((g.n, L), float("-inf")).triu(g.pos + 1)
+            o = att.softmax(-1) @ vals  # (KvH, G, n, Hd)
+            outs.append(o.permute(2, 0, 1, 3).reshape(g.n, H * Hd))
+        attn = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)  # (N, H*Hd)
+
+        x = x + self._lin(attn, "attn_output")
+        h = rms_norm(x, self.w["ffn_norm.weight"].value(), self.eps)
+        ff = self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up")
+        return (x + self._lin(ff, "ffn_down")).contiguous().realize()
+
+    def zero_slot(self, slot: int) -> None:
+        for c in (self.cache_k, self.cache_v):
+            c[slot:slot + 1].assign(Tensor.zeros(1, *c.shape[1:], dtype=c.dtype)).realize()
+
+    def reset(self) -> None:
+        for c in (self.cache_k, self.cache_v):
+            c.assign(Tensor.zeros(*c.shape, dtype=c.dtype)).realize()
+
+
+class Head:
+    """Final norm and output projection of the last stage."""
+
+    def __init__(self, norm: Weight, output: Weight, eps: float) -> None:
+        self.norm, self.output, self.eps = norm, output, eps
+
+    def __call__(self, x: Tensor) -> Tensor:  # (M, D) -> (M, vocab) float32
+        h = rms_norm(x, self.norm.value(), self.eps)
+        return (h @ self.output.value().T).float().contiguous().realize()

@@ -1,0 +1,212 @@
+"""A pipeline stage: layers [start, end) of a GGUF model, its KV slots, and the step that runs columns through it."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+
+from .errors import EngineError, RangeError
+from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
+from .loader import EmbeddingTable, WeightMode, block_tensor_names, check_range, load_weight, tensor_info
+from .model import Block, Group, Head, rope_tables
+from .sampling import Sampling, pick_token
+
+__all__ = ["Column", "Sampling", "Stage"]
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One token's place in a step: its position in the sequence, the KV slot of that sequence, and, on the
+    first stage, the token id. The last stage picks a next token for every column with needs_logits."""
+    pos: int
+    slot: int
+    needs_logits: bool = False
+    token: int = 0
+
+
+_KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
+
+
+class Stage:
+    act_dtype = np.dtype(np.float32)
+
+    def __init__(self, meta: ModelMeta, start: int, end: int, blocks: list[Block], embed: EmbeddingTable | None,
+                 head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int) -> None:
+        self.meta, self.start, self.end = meta, start, end
+        self.first, self.last = embed is not None, head is not None
+        self.dim = meta.dim
+        self.n_slots, self.max_context = n_slots, max_context
+        self.weight_bytes = weight_bytes
+        self.kv_bytes = sum(b.cache_k.nbytes() + b.cache_v.nbytes() for b in blocks)
+        self._blocks, self._embed, self._head = blocks, embed, head
+        self._lengths = [0] * n_slots  # positions each slot holds
+        self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
+        self._vpos = [UOp.variable(f"pos{i}", 0, max_context - 1) for i in range(n_slots)]
+
+    @classmethod
+    def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
+             weights: WeightMode = "f16", kv_dtype: str = "f16") -> "Stage":
+        """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
+        the final norm and output head (the embeddings again when the output is tied)."""
+        g = read_gguf(path)
+        meta = meta_from_gguf(g)
+        check_range(meta, start, end)
+        if n_slots < 1:
+            raise RangeError(f"{path}: n_slots must be at least 1, got {n_slots}")
+        if not 1 <= max_context <= meta.context_length:
+            raise RangeError(f"{path}: max_context {max_context} is outside [1, {meta.context_length}]")
+        if kv_dtype not in _KV_DTYPES or weights not in ("f32", "f16", "quant"):
+            raise EngineError(f"unknown weights={weights!r} or kv_dtype={kv_dtype!r}")
+        first, last = start == 0, end == meta.n_layers
+        D, H, KvH, Hd = meta.dim, meta.n_heads, meta.n_kv_heads, meta.head_dim
+        shapes = {
+            "attn_norm.weight": (D,), "ffn_norm.weight": (D,),
+            "attn_q.weight": (H * Hd, D), "attn_k.weight": (KvH * Hd, D), "attn_v.weight": (KvH * Hd, D),
+            "attn_output.weight": (D, H * Hd),
+            "ffn_gate.weight": (meta.ffn_dim, D), "ffn_up.weight": (meta.ffn_dim, D), "ffn_down.weight": (D, meta.ffn_dim),
+            "attn_q.bias": (H * Hd,), "attn_k.bias": (KvH * Hd,), "attn_v.bias": (KvH * Hd,),
+            "attn_q_norm.weight": (Hd,), "attn_k_norm.weight": (Hd,),
+        }
+        # llama GGUFs store q/k rows permuted for adjacent-pair rope; undo it so one half-split rope serves all
+        rope_heads = {} if meta.rope_neox else {"attn_q.weight": H, "attn_k.weight": KvH, "attn_q.bias": H, "attn_k.bias": KvH}
+        weight_bytes = 0
+        blocks = []
+        for layer in range(start, end):
+            ws = {}
+            for short, full in block_tensor_names(meta, layer).items():
+                info = tensor_info(g, full, shapes[short])
+                ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
+                weight_bytes += ws[short].nbytes
+            blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
+                                norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
+                                kv_dtype=_KV_DTYPES[kv_dtype]))
+        embed = head = None
+        if first:
+            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)))
+            weight_bytes += embed.nbytes
+        if last:
+            out_name = "token_embd.weight" if meta.tied_output else "output.weight"
+            norm = load_weight(g, tensor_info(g, "output_norm.weight", (D,)), weights)
+            out = load_weight(g, tensor_info(g, out_name, (meta.vocab_size, D)), weights)
+            weight_bytes += norm.nbytes + out.nbytes
+            head = Head(norm, out, meta.norm_eps)
+        return cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
+                   weight_bytes=weight_bytes)
+
+    # ---- KV slots
+
+    def _check_slot(self, slot: int) -> None:
+        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.n_slots):
+            raise RangeError(f"slot {slot} is outside [0, {self.n_slots})")
+
+    def zero_slot(self, slot: int) -> None:
+        """Forget everything slot `slot` holds and clear its cache."""
+        self._check_slot(slot)
+        for b in self._blocks:
+            b.zero_slot(slot)
+        self._lengths[slot] = 0
+
+    def reset(self) -> None:
+        """Forget every slot."""
+        for b in self._blocks:
+            b.reset()
+        self._lengths = [0] * self.n_slots
+
+    def rollback(self, slot: int, pos: int) -> None:
+        """Forget positions >= pos of `slot` (rejected speculative tokens). Forgotten cache rows are never read
+        again before a later step rewrites them: attention only reads positions below the step's own end."""
+        self._check_slot(slot)
+        if not 0 <= pos <= self._lengths[slot]:
+            raise RangeError(f"rollback of slot {slot} to {pos}: the slot holds positions [0, {self._lengths[slot]})")
+        self._lengths[slot] = pos
+
+    def slot_length(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._lengths[slot]
+
+    # ---- the step
+
+    def _groups(self, cols: Sequence[Column]) -> list[tuple[int, int, int, int]]:
+        """Split columns into (first column, count, slot, start position) runs and check them against the slots."""
+        if not cols:
+            raise EngineError("a step needs at least one column")
+        runs: list[list[int]] = []
+        for i, c in enumerate(cols):
+            self._check_slot(c.slot)
+            if not 0 <= c.pos < self.max_context:
+                raise RangeError(f"column {i}: position {c.pos} is outside [0, {self.max_context})")
+            if runs and runs[-1][2] == c.slot and runs[-1][3] + runs[-1][1] == c.pos:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, c.slot, c.pos])
+        seen: set[int] = set()
+        for col, n, slot, pos in runs:
+            if slot in seen:
+                raise RangeError(f"slot {slot} appears in two separate runs of one step")
+            seen.add(slot)
+            if pos > self._lengths[slot]:
+                raise RangeError(f"column {col}: position {pos} skips ahead of slot {slot}, which holds "
+                                 f"[0, {self._lengths[slot]})")
+        return [tuple(r) for r in runs]  # type: ignore[misc]
+
+    def step(self, cols: Sequence[Column], hidden: np.ndarray | None = None,
+             sampling: Sampling | Sequence[Sampling] = Sampling()) -> np.ndarray:
+        """Run the columns through this stage's layers.
+
+        First stage: tokens come from the columns (`hidden` must be None). Other stages: `hidden` is the previous
+        stage's (len(cols), dim) output. Returns (len(cols), dim) activations in act_dtype, or on the last stage
+        int32 token ids, one per column with needs_logits (sampling may be one Sampling or one per such column).
+        """
+        picks = [i for i, c in enumerate(cols) if c.needs_logits]
+        if self.last and not isinstance(sampling, Sampling) and len(sampling) != len(picks):
+            raise EngineError(f"{len(sampling)} Sampling entries for {len(picks)} columns that need logits")
+        out = self._forward(cols, hidden)
+        if not self.last:
+            return out
+        samplings = [sampling] * len(picks) if isinstance(sampling, Sampling) else list(sampling)
+        return np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], dtype=np.int32)
+
+    def step_logits(self, cols: Sequence[Column], hidden: np.ndarray | None = None) -> np.ndarray:
+        """Like step on the last stage, but return the (M, vocab) float32 logits of the needs_logits columns."""
+        if not self.last:
+            raise EngineError(f"stage [{self.start}, {self.end}) is not the last stage and has no logits")
+        return self._forward(cols, hidden)
+
+    def _forward(self, cols: Sequence[Column], hidden: np.ndarray | None) -> np.ndarray:
+        runs = self._groups(cols)
+        N = len(cols)
+        if self.first:
+            if hidden is not None:
+                raise EngineError("the first stage takes tokens from the columns, not hidden activations")
+            ids = np.array([c.token for c in cols], dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= self.meta.vocab_size:
+                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {ids.min()}..{ids.max()}")
+            x_np = self._embed.lookup(ids)
+        else:
+            if hidden is None:
+                raise EngineError(f"stage [{self.start}, {self.end}) needs hidden activations from the previous stage")
+            x_np = np.ascontiguousarray(hidden, dtype=self.act_dtype)
+            if x_np.shape != (N, self.dim):
+                raise EngineError(f"hidden has shape {hidden.shape}, expected ({N}, {self.dim})")
+
+        positions = np.array([c.pos for c in cols], dtype=np.int64)
+        cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
+        groups = [Group(col, n, self._vslot[i].bind(slot), self._vpos[i].bind(pos))
+                  for i, (col, n, slot, pos) in enumerate(runs)]
+        x = Tensor(x_np)
+        cos, sin = Tensor(cos_np).reshape(N, 1, -1), Tensor(sin_np).reshape(N, 1, -1)
+        for b in self._blocks:
+            x = b(x, cos, sin, groups)
+        for col, n, slot, pos in runs:
+            self._lengths[slot] = pos + n
+
+        if not self.last:
+            return x.numpy().astype(self.act_dtype, copy=False)
+        picks = [i for i, c in enumerate(cols) if c.needs_logits]
+        if not picks:
+            return np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+        rows = x if len(picks) == N else Tensor.cat(*[x[i:i + 1] for i in picks])
+        return self._head(rows).numpy()  # (M, vocab) float32
