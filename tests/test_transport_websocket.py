@@ -130,7 +130,7 @@ async def test_garbage_frame_breaks_the_stream_with_a_close_code():
     a, b = trio.testing.memory_stream_pair()
     raw, server = await upgrade_server_only(a, b)
     await a.send_all(b"\x8f\x80\x00\x00\x00\x00")  # opcode 0xF does not exist
-    with pytest.raises(WebSocketError, match="framing") as info:
+    with pytest.raises(WebSocketError, match="unknown opcode") as info:
         await server.receive_some()
     assert info.value.code == 1002
     with pytest.raises(WebSocketError):
@@ -146,7 +146,7 @@ async def test_peer_close_gives_eof_and_is_answered():
     assert await server.receive_some() == b""
     raw.receive_data(await a.receive_some())
     assert [type(e) for e in raw.events()] == [wse.CloseConnection]
-    with pytest.raises(trio.BrokenResourceError, match="closing"):
+    with pytest.raises(trio.BrokenResourceError, match="peer closed the WebSocket .code 1000"):
         await server.send_all(b"x")
     await server.aclose()
 
@@ -230,8 +230,8 @@ async def test_aclose_completes_the_close_handshake():
         nursery.start_soon(client.aclose)
         assert await server.receive_some() == b""
     # the client lingered until the server's answer, so both sides saw a clean close
-    assert client._ws.state is wsproto.ConnectionState.CLOSED
-    assert server._ws.state is wsproto.ConnectionState.CLOSED
+    assert client._got_close == 1000
+    assert server._got_close == 1000
 
 
 async def test_prefix_stream_replays_then_reads_on():

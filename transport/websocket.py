@@ -1,8 +1,8 @@
-"""WebSocket as a byte stream: wsproto driven directly on any trio stream.
+"""WebSocket as a byte stream over any trio stream: wsproto/h11 for the opening handshake, `wsframe` after it.
 
 Message boundaries are dissolved: the framed protocol above parses bytes and does not care how they were cut.
 `send_all` sends one binary message per call (split into several only past `max_message`), fragmented into frames
-of `FRAME_BYTES`; `receive_some` hands out the payload as it arrives, without waiting for a whole message, so memory
+of `FRAME_BYTES`; `receive_some` hands out payload as it arrives, without waiting for a whole message, so memory
 stays bounded by the read size however large a message is.
 
 Control frames: a ping is answered with a pong; the peer's Close is answered and then reads give EOF (b"");
@@ -20,36 +20,39 @@ import trio
 import wsproto
 import wsproto.events as wse
 import wsproto.utilities
-from wsproto.connection import ConnectionState
-from wsproto.frame_protocol import CloseReason
 
+from . import wsframe
 from .errors import HandshakeError, WebSocketError
+from .wsframe import CloseCode, FrameError
 
 # The protocol's largest frame is 64 MiB of payload plus its header; a send_all of one frame must cross as one message.
 DEFAULT_MAX_MESSAGE: Final = 64 * 1024 * 1024 + 64 * 1024
-# Outgoing fragment size: big enough that per-frame Python overhead vanishes, small enough that masking and copying
-# a fragment does not double a 64 MiB message's memory.
+# Outgoing fragment size: big enough that per-frame Python overhead vanishes, small enough that masking a fragment
+# does not double a 64 MiB message's memory.
 FRAME_BYTES: Final = 1024 * 1024
 # How much one read from the inner stream asks for.
 READ_BYTES: Final = 256 * 1024
-# How long aclose waits for the peer's Close after sending ours. A lingering close, as web servers do it: closing a
+# How long aclose waits for the peer's Close after sending ours: a lingering close, as web servers do it. Closing a
 # TCP socket with unread input sends a reset, which can destroy our own last bytes still in flight. Not a caller
 # timeout: the peer may simply never answer, and aclose must still return.
 CLOSE_GRACE_S = 1.0
-# The HTTP upgrade is bounded by h11's own limit on an incomplete request or response (16 KiB).
-
-_CLOSED_STATES = (ConnectionState.CLOSED, ConnectionState.REMOTE_CLOSING)
+# The opening handshake is bounded by h11's limit on an incomplete request or response head (16 KiB).
+_MAX_HEAD = 16 * 1024
 
 
 class WebSocketStream(trio.abc.Stream):
-    """A `trio.abc.Stream` over an open WebSocket; made by `ws_connect` or `ws_accept`, not directly."""
+    """A `trio.abc.Stream` over an open WebSocket; made by `ws_connect` or `ws_accept`.
+
+    `path` is the request target; `transport_stream` the stream underneath.
+    """
 
     def __init__(
         self,
         inner: trio.abc.Stream,
-        ws: wsproto.WSConnection,
         *,
+        client: bool,
         path: str,
+        received: bytes = b"",
         max_message: int = DEFAULT_MAX_MESSAGE,
         close_grace: float | None = None,
     ) -> None:
@@ -58,15 +61,19 @@ class WebSocketStream(trio.abc.Stream):
         self.transport_stream = inner
         self.path = path
         self.max_message = max_message
-        self._ws = ws
+        self._client = client  # a client masks what it sends
+        self._decoder = wsframe.FrameDecoder(client=client, max_message=max_message)
+        self._decoder.receive_data(received)
         self._close_grace = CLOSE_GRACE_S if close_grace is None else close_grace
         # receive side
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._chunks: collections.deque[bytes | bytearray] = collections.deque()
         self._offset = 0  # bytes of _chunks[0] already handed out
-        self._message_bytes = 0  # payload so far of the message being received
         self._eof = False
         self._error: WebSocketError | None = None
         self._receiving = False
+        # the closing handshake
+        self._sent_close = False
+        self._got_close: int | None = None  # the peer's close code
         # send side: one lock serialises writes of send_all, control replies and aclose onto the inner stream
         self._send_lock = trio.Lock()
         self._sending = False
@@ -76,7 +83,7 @@ class WebSocketStream(trio.abc.Stream):
 
     # ---- receiving ----
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if max_bytes is not None:
             max_bytes = operator.index(max_bytes)
             if max_bytes < 1:
@@ -99,7 +106,7 @@ class WebSocketStream(trio.abc.Stream):
         finally:
             self._receiving = False
 
-    def _take(self, max_bytes: int | None) -> bytes:
+    def _take(self, max_bytes: int | None) -> bytes | bytearray:
         chunk = self._chunks[0]
         start = self._offset
         n = len(chunk) - start if max_bytes is None else min(len(chunk) - start, max_bytes)
@@ -111,17 +118,20 @@ class WebSocketStream(trio.abc.Stream):
         return chunk[start : start + n]
 
     async def _pump(self) -> None:
-        """Read once from the inner stream (unless events are already parsed) and act on what arrived."""
+        """Read once from the inner stream (unless events are already waiting) and act on what arrived."""
         self._handle_events()
         if not (self._chunks or self._eof or self._error is not None):
             data = await self._read_inner()
-            # None tells wsproto the transport ended without a Close (code 1006); we report that as plain EOF,
-            # like TCP's FIN: the framed protocol above notices a truncated frame on its own.
-            self._ws.receive_data(data if data else None)
-            self._handle_events()
+            if data:
+                self._decoder.receive_data(data)
+                self._handle_events()
+            else:
+                # the transport ended without a Close (1006): reported as plain EOF, like TCP's FIN; the framed
+                # protocol above notices a truncated frame on its own
+                self._eof = True
         await self._flush_pending()
 
-    async def _read_inner(self) -> bytes:
+    async def _read_inner(self) -> bytes | bytearray:
         try:
             return await self.transport_stream.receive_some(READ_BYTES)
         except trio.BrokenResourceError:
@@ -130,45 +140,36 @@ class WebSocketStream(trio.abc.Stream):
             raise
 
     def _handle_events(self) -> None:
-        for event in self._ws.events():
-            if isinstance(event, wse.BytesMessage):
-                self._message_bytes += len(event.data)
-                if self._message_bytes > self.max_message:
-                    self._fail(CloseReason.MESSAGE_TOO_BIG, f"a message exceeded the limit of {self.max_message} bytes")
-                    return
-                if event.data:
-                    self._chunks.append(bytes(event.data))
-                if event.message_finished:
-                    self._message_bytes = 0
-            elif isinstance(event, wse.TextMessage):
-                self._fail(CloseReason.UNSUPPORTED_DATA, "peer sent a text message; this stream carries binary only")
-                return
-            elif isinstance(event, wse.Ping):
-                self._pending += self._ws.send(event.response())
-            elif isinstance(event, wse.CloseConnection):
-                state = self._ws.state
-                if state is ConnectionState.REMOTE_CLOSING:
-                    self._pending += self._ws.send(event.response())
+        try:
+            while (event := self._decoder.next_event()) is not None:
+                if isinstance(event, wsframe.Data):
+                    if event.payload:
+                        self._chunks.append(event.payload)
+                elif isinstance(event, wsframe.Ping):
+                    if not self._sent_close:
+                        self._pending += wsframe.encode_pong(event.payload, masked=self._client)
+                elif isinstance(event, wsframe.Close):
+                    self._got_close = event.code
                     self._eof = True
-                elif state is ConnectionState.CLOSED:
-                    self._eof = True  # the answer to our Close, or the transport ended (1006)
-                else:
-                    # wsproto reports a frame it could not parse as a Close event while the state is still OPEN
-                    self._fail(event.code, f"peer broke the WebSocket framing: {event.reason}")
-                return
-            # Pong: nothing to do, we never ping
+                    if not self._sent_close:
+                        self._send_close(event.code)  # echo the peer's code, as RFC 6455 5.5.1 asks
+                    return
+                # Pong: nothing to do, we never ping
+        except FrameError as exc:
+            if not self._sent_close:
+                self._send_close(exc.code, exc.reason)
+            self._error = WebSocketError(f"peer broke the WebSocket protocol: {exc.reason}", code=exc.code)
 
-    def _fail(self, code: int, reason: str) -> None:
-        if self._ws.state is ConnectionState.OPEN:
-            self._pending += self._ws.send(wse.CloseConnection(code=code, reason=reason))
-        self._error = WebSocketError(reason, code=int(code))
+    def _send_close(self, code: int, reason: str = "") -> None:
+        self._pending += wsframe.encode_close(code, reason, masked=self._client)
+        self._sent_close = True
 
     async def _flush_pending(self) -> None:
         # Control replies go out now unless a send_all holds the writer: it flushes them between its frames.
         if self._pending and not self._send_lock.locked() and self._send_broken is None:
             try:
                 async with self._send_lock:
-                    await self._write(b"")
+                    await self._write()
             except trio.BrokenResourceError:
                 pass  # best effort: data already received is still handed out, and the next send reports it
 
@@ -187,11 +188,16 @@ class WebSocketStream(trio.abc.Stream):
             async with self._send_lock:
                 for start in range(0, len(view), self.max_message):
                     message = view[start : start + self.max_message]
-                    for frame_start in range(0, len(message), FRAME_BYTES):
+                    for offset in range(0, len(message), FRAME_BYTES):
                         self._check_can_send()
-                        last = frame_start + FRAME_BYTES >= len(message)
-                        fragment = message[frame_start : frame_start + FRAME_BYTES]
-                        await self._write(self._ws.send(wse.BytesMessage(data=fragment, message_finished=last)))
+                        await self._write(
+                            *wsframe.encode_frame(
+                                message[offset : offset + FRAME_BYTES],
+                                opcode=wsframe.Opcode.CONTINUATION if offset else wsframe.Opcode.BINARY,
+                                fin=offset + FRAME_BYTES >= len(message),
+                                masked=self._client,
+                            )
+                        )
         finally:
             self._sending = False
 
@@ -202,14 +208,16 @@ class WebSocketStream(trio.abc.Stream):
             raise trio.BrokenResourceError(self._send_broken)
         if self._error is not None:
             raise WebSocketError(self._error.reason, code=self._error.code)
-        if self._ws.state is not ConnectionState.OPEN:
-            raise trio.BrokenResourceError(f"the WebSocket is closing ({self._ws.state.name.lower()})")
+        if self._got_close is not None:
+            raise trio.BrokenResourceError(f"the peer closed the WebSocket (code {self._got_close})")
+        if self._sent_close:
+            raise trio.BrokenResourceError("the WebSocket is closing")
 
-    async def _write(self, data: bytes | bytearray) -> None:
-        """Write `data`, then any control frames queued meanwhile. Caller holds the send lock."""
+    async def _write(self, *buffers: bytes | bytearray | memoryview) -> None:
+        """Write `buffers`, then any control frames queued meanwhile. Caller holds the send lock."""
         try:
-            if data:
-                await self.transport_stream.send_all(data)
+            for buffer in buffers:
+                await self.transport_stream.send_all(buffer)
             while self._pending:
                 pending, self._pending = self._pending, bytearray()
                 await self.transport_stream.send_all(pending)
@@ -219,7 +227,7 @@ class WebSocketStream(trio.abc.Stream):
                 raise trio.ClosedResourceError("this WebSocket was closed") from None
             raise
         except BaseException:
-            # a write cut short (cancelled, or the stream closed under us) leaves half a frame on the wire
+            # a write cut short (cancelled, or the stream closed under us) may leave half a frame on the wire
             self._send_broken = "an earlier send was interrupted part way through a frame"
             raise
 
@@ -244,13 +252,13 @@ class WebSocketStream(trio.abc.Stream):
         try:
             # a send_all in progress owns the writer and may be stuck mid-frame: then no Close can be framed
             if not self._send_lock.locked() and self._send_broken is None:
-                if self._ws.state is ConnectionState.OPEN or self._ws.state is ConnectionState.REMOTE_CLOSING:
-                    self._pending += self._ws.send(wse.CloseConnection(code=CloseReason.NORMAL_CLOSURE))
+                if not self._sent_close:
+                    self._send_close(CloseCode.NORMAL)
                 if self._pending:
                     async with self._send_lock:
-                        await self._write(b"")
+                        await self._write()
                 # a receive_some in another task owns the inner stream's reading side; it ends when we close it
-                if self._ws.state is ConnectionState.LOCAL_CLOSING and not self._receiving:
+                if self._got_close is None and self._error is None and not self._eof and not self._receiving:
                     with trio.move_on_after(self._close_grace):
                         await self._linger()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -259,13 +267,19 @@ class WebSocketStream(trio.abc.Stream):
             await self.transport_stream.aclose()
 
     async def _linger(self) -> None:
-        while self._ws.state is ConnectionState.LOCAL_CLOSING:
+        """Read and drop whatever comes until the peer's Close, a framing error or EOF."""
+        while True:
             data = await self.transport_stream.receive_some(READ_BYTES)
-            self._ws.receive_data(data if data else None)
-            for event in self._ws.events():
-                if isinstance(event, wse.CloseConnection) and self._ws.state is ConnectionState.LOCAL_CLOSING:
-                    return  # a framing error while lingering: nothing more will make sense
-            # data arriving after our Close is dropped: we are closing
+            if not data:
+                return
+            self._decoder.receive_data(data)
+            try:
+                while (event := self._decoder.next_event()) is not None:
+                    if isinstance(event, wsframe.Close):
+                        self._got_close = event.code
+                        return
+            except FrameError:
+                return
 
 
 # ---- opening handshakes ----
@@ -284,19 +298,27 @@ async def ws_connect(
     """
     ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
     await stream.send_all(ws.send(wse.Request(host=host, target=path)))
-    while True:
+    # The server may send frames right behind its 101 response; wsproto would keep them inside its own framing,
+    # so it is handed exactly the response head and the rest goes to our decoder.
+    head = bytearray()
+    while (end := head.find(b"\r\n\r\n")) < 0:
+        if len(head) > _MAX_HEAD:
+            raise HandshakeError(f"upgrade response head over {_MAX_HEAD} bytes", peer=host)
         data = await stream.receive_some(READ_BYTES)
         if not data:
             raise HandshakeError("the server closed the connection before completing the upgrade", peer=host)
-        try:
-            ws.receive_data(data)
-            for event in ws.events():
-                if isinstance(event, wse.AcceptConnection):
-                    return WebSocketStream(stream, ws, path=path, max_message=max_message)
-                if isinstance(event, wse.RejectConnection):
-                    raise HandshakeError(f"the server refused the upgrade with HTTP {event.status_code}", peer=host)
-        except wsproto.utilities.RemoteProtocolError as exc:
-            raise HandshakeError(f"bad upgrade response: {exc}", peer=host) from None
+        head += data
+    rest = bytes(head[end + 4 :])
+    try:
+        ws.receive_data(bytes(head[: end + 4]))
+        for event in ws.events():
+            if isinstance(event, wse.AcceptConnection):
+                return WebSocketStream(stream, client=True, path=path, received=rest, max_message=max_message)
+            if isinstance(event, wse.RejectConnection):
+                raise HandshakeError(f"the server refused the upgrade with HTTP {event.status_code}", peer=host)
+    except wsproto.utilities.RemoteProtocolError as exc:
+        raise HandshakeError(f"bad upgrade response: {exc}", peer=host) from None
+    raise HandshakeError("bad upgrade response: no complete HTTP response head", peer=host)
 
 
 async def ws_accept(
@@ -310,9 +332,9 @@ async def ws_accept(
     A request that is not a valid WebSocket upgrade gets an HTTP error response and raises `HandshakeError`
     (`peer`, if given, is named in it); the caller still owns `stream` then.
     """
-    # h11 parses the request (bounded: it refuses an incomplete request over 16 KiB) so that bytes the client sent
-    # after it are kept; wsproto's own server handshake drops them.
-    http = h11.Connection(h11.SERVER)
+    # h11 parses the request (it refuses an incomplete head over 16 KiB) and keeps the bytes that follow it, which
+    # wsproto's own server handshake would drop; wsproto then checks the upgrade and writes the 101.
+    http = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
     while True:
         try:
             event = http.next_event()
@@ -343,9 +365,9 @@ async def ws_accept(
     assert isinstance(request, wse.Request)
     await stream.send_all(ws.send(wse.AcceptConnection()))
     trailing, _ = http.trailing_data
-    if trailing:
-        ws.receive_data(bytes(trailing))
-    return WebSocketStream(stream, ws, path=request.target, max_message=max_message)
+    return WebSocketStream(
+        stream, client=False, path=request.target, received=bytes(trailing), max_message=max_message
+    )
 
 
 async def _reject(

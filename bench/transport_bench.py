@@ -1,0 +1,128 @@
+"""Raw TCP against our WebSocket stream on loopback, side by side: 4 KB round trip and one-way throughput.
+
+    .venv/bin/python bench/transport_bench.py [--rounds 2000] [--mib 256] [--chunk-kib 1024]
+
+The server runs in a child process (as a real peer would), on one `serve_listener` port that takes both the raw and
+the WebSocket client; the client dials `host:port` and `ws://host:port`. Each client stream opens with one mode
+byte after the protocol's version byte: `E` echoes, `S` swallows an announced number of bytes and acks with one byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transport import dial, serve_listener  # noqa: E402
+
+
+async def receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        chunk = await stream.receive_some(n - len(got))
+        if not chunk:
+            raise EOFError(f"stream ended after {len(got)} of {n} bytes")
+        got += chunk
+    return bytes(got)
+
+
+async def handler(stream: trio.abc.Stream) -> None:
+    mode = await receive_exactly(stream, 2)
+    if mode == b"\x01E":
+        while data := await stream.receive_some():
+            await stream.send_all(data)
+    elif mode == b"\x01S":
+        left = int.from_bytes(await receive_exactly(stream, 8), "little")
+        while left > 0:
+            data = await stream.receive_some()
+            if not data:
+                raise EOFError(f"sink: {left} bytes short")
+            left -= len(data)
+        await stream.send_all(b"k")
+
+
+async def serve() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_listener, "127.0.0.1", 0, handler)
+        print(port, flush=True)
+        # the parent closes our stdin to stop us
+        await trio.to_thread.run_sync(sys.stdin.read)
+        nursery.cancel_scope.cancel()
+
+
+async def round_trips(addr: str, rounds: int, size: int) -> list[float]:
+    stream = await dial(addr)
+    await stream.send_all(b"\x01E")
+    payload = b"\xa5" * size
+    times = []
+    for i in range(rounds + 50):
+        t0 = time.perf_counter()
+        await stream.send_all(payload)
+        await receive_exactly(stream, size)
+        if i >= 50:  # warm-up
+            times.append(time.perf_counter() - t0)
+    await stream.aclose()
+    return times
+
+
+async def throughput(addr: str, total: int, chunk: int) -> float:
+    stream = await dial(addr)
+    block = memoryview(b"\x5a" * chunk)
+    t0 = time.perf_counter()
+    await stream.send_all(b"\x01S" + total.to_bytes(8, "little"))
+    sent = 0
+    while sent < total:
+        n = min(chunk, total - sent)
+        await stream.send_all(block[:n])
+        sent += n
+    assert await receive_exactly(stream, 1) == b"k"
+    elapsed = time.perf_counter() - t0
+    await stream.aclose()
+    return total / elapsed
+
+
+async def client(port: int, args: argparse.Namespace) -> None:
+    rows = {}
+    for name, addr in (("tcp", f"127.0.0.1:{port}"), ("websocket", f"ws://127.0.0.1:{port}/bench")):
+        rtt = await round_trips(addr, args.rounds, 4096)
+        rate = await throughput(addr, args.mib * 1024 * 1024, args.chunk_kib * 1024)
+        rows[name] = (statistics.median(rtt), sorted(rtt)[int(len(rtt) * 0.99)], rate)
+    tcp, ws = rows["tcp"], rows["websocket"]
+    print(f"loopback, server in a child process; {args.rounds} round trips of 4 KB; "
+          f"{args.mib} MiB one way in {args.chunk_kib} KiB send_all calls")
+    print(f"{'':12}{'rtt median':>12}{'rtt p99':>12}{'throughput':>14}")
+    for name, (med, p99, rate) in rows.items():
+        print(f"{name:12}{med * 1e3:>9.3f} ms{p99 * 1e3:>9.3f} ms{rate / 1e6:>9.0f} MB/s")
+    print(f"{'ws / tcp':12}{ws[0] / tcp[0]:>11.2f}x{ws[1] / tcp[1]:>11.2f}x{ws[2] / tcp[2]:>13.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--chunk-kib", type=int, default=1024)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        trio.run(serve)
+        return
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(server.stdout.readline())
+        trio.run(client, port, args)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
