@@ -149,14 +149,20 @@ class _PreConfig:
     add_bos_default: bool  # llama.cpp's default when the GGUF lacks add_bos_token
 
 
+_SMOLLM = _PreConfig((lambda: _split(r"\p{N}"), lambda: _byte_level(True)), False, False)
+_LLAMA3 = _PreConfig((lambda: _split(_LLAMA3_SPLIT), lambda: _byte_level(False)), True, True)
+_QWEN2 = _PreConfig((lambda: _split(_QWEN2_SPLIT), lambda: _byte_level(False)), False, False)
+_GPT2 = _PreConfig((lambda: _byte_level(True),), False, False)
+
+# tokenizer.ggml.pre names, grouped as llama.cpp groups them (same split rule, same merge and BOS defaults)
 _PRE: dict[str, _PreConfig] = {
-    # smollm (and starcoder-style vocabularies): every digit alone, then GPT-2's split
-    "smollm": _PreConfig((lambda: _split(r"\p{N}"), lambda: _byte_level(True)), False, False),
-    "llama-bpe": _PreConfig((lambda: _split(_LLAMA3_SPLIT), lambda: _byte_level(False)), True, True),
-    "llama3": _PreConfig((lambda: _split(_LLAMA3_SPLIT), lambda: _byte_level(False)), True, True),
-    "qwen2": _PreConfig((lambda: _split(_QWEN2_SPLIT), lambda: _byte_level(False)), False, False),
-    "gpt2": _PreConfig((lambda: _byte_level(True),), False, False),
+    # every digit alone, then GPT-2's split
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva-7b"), _SMOLLM),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "roberta-bpe"), _GPT2),
 }
+
 
 # llama.cpp's list of end-of-generation token texts; any control token with one of these texts ends generation.
 EOG_TEXTS = frozenset({
@@ -221,10 +227,10 @@ class Tokenizer:
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = []
         for m in merges:
-            a, sep, b = m.partition(" ")
-            if not sep:
+            at = m.find(" ", 1)  # as llama.cpp: the first token may itself begin with a space
+            if at < 0:
                 raise ModelFormatError(f"{name}: merge {m!r} is not two tokens separated by a space")
-            pairs.append((a, b))
+            pairs.append((m[:at], m[at + 1 :]))
         bpe = _models.BPE(vocab=vocab, merges=pairs, ignore_merges=cfg.ignore_merges, fuse_unk=False)
         hf = _HFTokenizer(bpe)
         steps = [make() for make in cfg.steps]

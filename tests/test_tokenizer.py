@@ -95,7 +95,7 @@ def test_qwen2_splits_every_digit_but_keeps_the_space_apart(tmp_path):
 
 
 def test_gpt2_keeps_a_digit_run_with_its_leading_space(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf", pre="gpt2", **DIGITS))
+    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf", pre="gpt-2", **DIGITS))
     assert pieces(tok, " 12345") == [b" 1", b"2", b"3", b"45"]
 
 
@@ -111,7 +111,7 @@ def test_llama_bpe_takes_whole_words_from_the_vocabulary(tmp_path):
 def test_contractions_split_like_llama_cpp(tmp_path):
     kw = dict(merges=("t '", "' S"), extra=("t'", "'S"))
     llama = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe", **kw))
-    gpt2 = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "g.gguf", pre="gpt2", **kw))
+    gpt2 = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "g.gguf", pre="gpt-2", **kw))
     # the apostrophe never merges backwards into the word; llama3's rule knows upper-case 'S, GPT-2's does not
     assert pieces(llama, "it'S") == [b"i", b"t", b"'S"]
     assert pieces(gpt2, "it'S") == [b"i", b"t", b"'", b"S"]

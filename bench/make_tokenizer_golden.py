@@ -1,0 +1,152 @@
+"""Write tests/data/smollm2_tokenizer_golden.json: llama.cpp's token ids for a varied corpus.
+
+    .venv/bin/python bench/make_tokenizer_golden.py [--model PATH] [--out PATH]
+
+Needs llama-cpp-python (the reference); the tests only need the JSON it writes. Besides SmolLM2's own pre-tokenizer
+(`smollm`), the same vocabulary is written into metadata-only GGUFs that name the other pre-tokenizers we support
+(`llama-bpe`, `qwen2`, `gpt-2`), so llama.cpp's splitting rule for each is pinned too, with a real-sized vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.sources import default_model_path  # noqa: E402
+
+OTHER_PRES = ("llama-bpe", "qwen2", "gpt-2")
+
+CORPUS = [
+    # plain prose and punctuation
+    "Hello world",
+    "Hello, world! How are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    " leading space",
+    "trailing space ",
+    "...!!!???",
+    "a-b_c.d,e;f:g",
+    "(parentheses) [brackets] {braces} <angles>",
+    # contractions, both cases
+    "I'm sure they'll've done it; we'd, you're, it's, don't",
+    "I'M SURE THEY'LL'VE DONE IT; WE'D, YOU'RE, IT'S, DON'T",
+    "rock 'n' roll and 'quoted' words",
+    # whitespace runs
+    "two  spaces",
+    "many        spaces",
+    "   ",
+    "\t\ttabs\t",
+    "line\nbreak",
+    "windows\r\nline\r\nbreaks",
+    "blank\n\n\nlines",
+    "mixed \t \n \r\n whitespace",
+    " \n  \n   x",
+    # digits
+    "1",
+    "12",
+    "123",
+    "1234567890",
+    "3.14159 2.71828",
+    "phone: +1 (555) 010-9999",
+    "in 2026, 1,000,000 people",
+    "x1y22z333w4444",
+    "٣٤٥ Arabic-Indic digits and ½ ¾ fractions",
+    # unicode: accents, scripts, emoji
+    "naïve café résumé Straße",
+    "Ελληνικά κείμενα",
+    "русский текст",
+    "日本語のテキストです",
+    "中文文本和标点。",
+    "한국어 텍스트",
+    "עברית וערבית العربية",
+    "हिन्दी पाठ",
+    "emoji 🙂 👍🏽 🇫🇷",
+    "family 👨‍👩‍👧 zero width joiner",
+    "\u200b zero width \ufeff bom \u00a0nbsp",
+    "𝄞 musical symbol and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    # code and markup
+    "def f(x):\n    return x ** 2\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "https://example.com/path?q=1&r=two#frag",
+    "# Title\n\n- item *one*\n- item **two**\n",
+    '{"key": [1, 2, 3], "null": null}',
+    # special tokens in text
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>",
+    "text<|im_end|>more",
+    "<|im_start|><|im_end|>",
+    "<|im_start |> not special",
+    "<repo_name>mesh<file_sep>a.py<filename>",
+    "",
+]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def with_pre(src: Path, pre: str, out: Path) -> Path:
+    """A metadata-only copy of `src` whose tokenizer.ggml.pre is `pre` (no tensors: llama.cpp loads it vocab-only)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = pre if key == "tokenizer.ggml.pre" else field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def tokenize_all(model: Path) -> list[dict]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(model), vocab_only=True, verbose=False)
+    return [{"text": t, "ids": llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)} for t in CORPUS]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF to use (default: the bundled SmolLM2)")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "smollm2_tokenizer_golden.json")
+    args = ap.parse_args()
+
+    import llama_cpp
+
+    model = args.model or default_model_path()
+    cases = {"smollm": tokenize_all(model)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pre in OTHER_PRES:
+            cases[pre] = tokenize_all(with_pre(model, pre, Path(tmp) / f"{pre}.gguf"))
+    golden = {
+        "reference": "llama-cpp-python Llama(vocab_only=True).tokenize(text.encode(), add_bos=False, special=True)",
+        "llama_cpp_python": llama_cpp.__version__,
+        "model": model.name,
+        "model_sha256": sha256(model),
+        "note": "cases other than 'smollm' use the same vocabulary with tokenizer.ggml.pre rewritten",
+        "cases": cases,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: {sum(len(v) for v in cases.values())} cases, llama-cpp-python {llama_cpp.__version__}")
+
+
+if __name__ == "__main__":
+    main()
