@@ -197,6 +197,7 @@ class Worker:
                 with trio.move_on_after(SHUTDOWN_GRACE_S):
                     try:
                         await self._request(lambda cid: Shutdown(cid), Stopped, closing=True)
+                        await self.process.wait()
                     except WorkerError:
                         pass
             if self.process.returncode is None:
