@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFWriter
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModel
 from engine.sources import default_model_path
@@ -203,6 +205,8 @@ def smol() -> Tokenizer:
     return Tokenizer.from_gguf(SMOLLM2)
 
 
+
+
 def test_smollm2_metadata(smol):
     assert smol.vocab_size == 49152 and smol.pre == "smollm"
     assert smol.bos_id == 1 and not smol.add_bos
@@ -257,3 +261,11 @@ def _is_utf8(b: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(min_value=0, max_value=49151), max_size=40))
+def test_stream_decoder_agrees_with_decode_on_any_ids(smol, ids):
+    # valid or not, streamed text equals decoding all at once (U+FFFD in the same places)
+    dec = StreamDecoder(smol)
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == smol.decode(ids)
