@@ -219,3 +219,11 @@ async def test_garbage_sdp_is_refused_before_aiortc_sees_it() -> None:
         # An offer handed back where an answer belongs parses, but the WebRTC stack refuses it; named, not raw.
         with pytest.raises(SdpError, match="rejected"):
             await offerer.finish(offerer.local_sdp)
+
+
+async def test_no_ice_server_is_used_unless_configured() -> None:
+    async with open_rtc_bridge() as bridge:
+        offerer = await make_offer(bridge)
+        kinds = {line.split(" typ ")[1].split()[0] for line in offerer.local_sdp.splitlines() if " typ " in line}
+        assert kinds <= {"host"}  # aiortc's default would have added a Google STUN (srflx) candidate
+        await offerer.aclose()

@@ -226,3 +226,14 @@ def test_ice_flags() -> None:
 def test_bad_ice_flags_are_named(args: tuple, reason: str) -> None:
     with pytest.raises(IceConfigError, match=reason.replace("?", r"\?")):
         IceConfig.from_flags(*args)
+
+
+async def test_a_new_offer_replaces_and_closes_an_unopened_one() -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    async with open_rtc_endpoint() as ep:
+        await ep.make_offer()
+        with_one = len(os.listdir("/proc/self/fd"))
+        await ep.make_offer()
+        await ep.make_offer()
+        assert len(os.listdir("/proc/self/fd")) == with_one  # the replaced offers' sockets are closed
+    assert len(os.listdir("/proc/self/fd")) == fds
