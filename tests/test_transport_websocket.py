@@ -297,3 +297,31 @@ async def read_server_events(raw_and_stream, until):
 
 
 assert issubclass(WebSocketStream, trio.abc.Stream)
+
+
+async def test_largest_protocol_frame_crosses_as_one_message():
+    # a 64 MiB payload plus the 8-byte header is the protocol's largest frame: one send_all, one message
+    a, b = trio.socket.socketpair()
+    client, server = await upgrade(trio.SocketStream(a), trio.SocketStream(b))
+    size = 64 * 1024 * 1024 + 8
+    assert size <= websocket.DEFAULT_MAX_MESSAGE
+    payload = memoryview(bytearray(size))
+    payload[-5:] = b"tail!"
+    received = 0
+    last = b""
+
+    async def receive():
+        nonlocal received, last
+        while received < size:
+            chunk = await server.receive_some()
+            received += len(chunk)
+            last = bytes(chunk[-5:])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await client.send_all(payload)
+    assert received == size
+    assert last == b"tail!"
+    assert server._error is None
+    await trio.aclose_forcefully(client)
+    await trio.aclose_forcefully(server)

@@ -185,7 +185,12 @@ class WebSocketStream(trio.abc.Stream):
             if not view:
                 await trio.lowlevel.checkpoint()
                 return
-            async with self._send_lock:
+            # an uncontended trio.Lock still yields to the scheduler; inner send_all checkpoints anyway
+            try:
+                self._send_lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._send_lock.acquire()
+            try:
                 for start in range(0, len(view), self.max_message):
                     message = view[start : start + self.max_message]
                     for offset in range(0, len(message), FRAME_BYTES):
@@ -198,6 +203,8 @@ class WebSocketStream(trio.abc.Stream):
                                 masked=self._client,
                             )
                         )
+            finally:
+                self._send_lock.release()
         finally:
             self._sending = False
 
