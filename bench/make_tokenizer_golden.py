@@ -122,6 +122,20 @@ def tokenize_all(model: Path) -> list[dict]:
     return [{"text": t, "ids": llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)} for t in CORPUS]
 
 
+def dump_golden(golden: dict) -> str:
+    """JSON with one case per line, so a diff after a llama.cpp upgrade shows which texts changed."""
+    head = {k: v for k, v in golden.items() if k != "cases"}
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in head.items()]
+    lines.append(' "cases": {')
+    for n, (pre, cases) in enumerate(golden["cases"].items()):
+        lines.append(f"  {json.dumps(pre)}: [")
+        lines += [f"   {json.dumps(c, ensure_ascii=False)}," for c in cases]
+        lines[-1] = lines[-1].rstrip(",")
+        lines.append("  ]," if n < len(golden["cases"]) - 1 else "  ]")
+    lines += [" }", "}"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF to use (default: the bundled SmolLM2)")
@@ -144,7 +158,7 @@ def main() -> None:
         "cases": cases,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    args.out.write_text(dump_golden(golden), encoding="utf-8")
     print(f"wrote {args.out}: {sum(len(v) for v in cases.values())} cases, llama-cpp-python {llama_cpp.__version__}")
 
 
