@@ -356,14 +356,43 @@ class RangePlan:
         finally:
             os.close(fd)
 
-    def sha256(self) -> bytes:
-        """SHA-256 of the whole planned file, computed once by streaming it, then remembered."""
+    def sha256(self, memo_dir: str | os.PathLike | None = None) -> bytes:
+        """SHA-256 of the whole planned file, computed once by streaming it, then remembered.
+
+        With `memo_dir`, the digest is also kept on disk, keyed by the source's path, size and mtime and by the
+        planned header, so a coordinator restarted to resume a shipment does not re-read gigabytes first.
+        """
         if self._sha256 is None:
-            h = hashlib.sha256()
-            for piece in self.iter_chunks(0, 4 * CHUNK_BYTES):
-                h.update(piece)
-            self._sha256 = h.digest()
+            memo, stamp = self._memo(memo_dir)
+            if memo is not None:
+                try:
+                    text = memo.read_text()
+                    if text.startswith(stamp):
+                        self._sha256 = bytes.fromhex(text[len(stamp):].strip())
+                except (OSError, ValueError):
+                    pass
+            if self._sha256 is None or len(self._sha256) != 32:
+                h = hashlib.sha256()
+                for piece in self.iter_chunks(0, 4 * CHUNK_BYTES):
+                    h.update(piece)
+                self._sha256 = h.digest()
+                if memo is not None:
+                    try:
+                        memo.parent.mkdir(parents=True, exist_ok=True)
+                        tmp = memo.with_name(memo.name + f".{os.getpid()}.tmp")
+                        tmp.write_text(stamp + self._sha256.hex() + "\n")
+                        os.replace(tmp, memo)
+                    except OSError:
+                        pass  # a memo is an optimisation; failing to keep one costs only time
         return self._sha256
+
+    def _memo(self, memo_dir: str | os.PathLike | None) -> tuple[Path | None, str]:
+        if memo_dir is None:
+            return None, ""
+        key = hashlib.sha256(f"{os.path.realpath(self.source)}\0{self.start}\0{self.end}".encode()).hexdigest()
+        size, mtime = self._source_stat
+        stamp = f"{os.path.realpath(self.source)}\n{size} {mtime} {hashlib.sha256(self.header).hexdigest()}\n"
+        return Path(memo_dir) / f"{key[:32]}.sha256", stamp
 
     def write_to(self, path: str | os.PathLike) -> Path:
         """Materialize the planned file (tests, manual copies); shipping streams instead."""

@@ -577,10 +577,12 @@ async def _await_reply(link) -> proto.Event:
 
 async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | None = None,
                      end: int | None = None, *, label: str = "", board: ProgressBoard | None = None,
-                     chunk: int = CHUNK_BYTES) -> ShipResult:
+                     digest_memo: str | os.PathLike | None = None, chunk: int = CHUNK_BYTES) -> ShipResult:
     """Ship layers [start, end) of the GGUF `source` (or an already made RangePlan) over `link`.
 
     Resumes from whatever the receiver holds; if a resumed file fails its hash, re-ships once from zero.
+    `digest_memo` is a directory where the file's SHA-256 is remembered (see RangePlan.sha256), so a restarted
+    coordinator resumes without first re-reading the whole range.
     Raises ShipBusy when another shipper holds the target, ShipFailed when the receiver reports a failure.
     """
     if isinstance(source, RangePlan):
@@ -589,7 +591,7 @@ async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | N
         if start is None or end is None:
             raise ValueError("ship_range needs start and end with a source path")
         plan = await trio.to_thread.run_sync(plan_range_gguf, source, start, end)
-    digest = await trio.to_thread.run_sync(plan.sha256)
+    digest = await trio.to_thread.run_sync(plan.sha256, digest_memo)
     board = board if board is not None else _default_board()
     name = f"{label + ' ' if label else ''}layers {plan.start}..{plan.end}"
     t0, sent, attempt = trio.current_time(), 0, 0

@@ -222,3 +222,17 @@ def test_source_changed_after_planning_is_detected(src):
         f.write(b"more")
     with pytest.raises(SourceChangedError, match="changed on disk"):
         next(plan.iter_chunks())
+
+
+def test_sha256_memo_skips_the_second_read_and_notices_a_changed_source(src, tmp_path):
+    memo = tmp_path / "memo"
+    digest = plan_range_gguf(src, 0, 2, fingerprint="x").sha256(memo)
+    (entry,) = memo.iterdir()
+    stamp, _ = entry.read_text().rsplit("\n", 2)[0], None
+    entry.write_text(stamp + "\n" + "00" * 32 + "\n")
+    hit = plan_range_gguf(src, 0, 2, fingerprint="x")
+    hit._open_source = None  # a memo hit must not read the source at all
+    assert hit.sha256(memo) == bytes(32)
+    os.utime(src, ns=(1, 1))  # the source changed (its mtime says so): the memo no longer applies
+    assert plan_range_gguf(src, 0, 2, fingerprint="x").sha256(memo) == digest
+    assert plan_range_gguf(src, 0, 2, fingerprint="y").sha256(memo) != digest  # another header, other bytes
