@@ -3,8 +3,9 @@
     .venv/bin/python bench/rtc_bench.py [--rtt-rounds 200] [--mb 16] [--rtc-mb 8] [--setups 5] [--json]
 
 TCP and WebSocket go through `transport.dial` / `transport.serve_listener` on loopback. WebRTC runs two
-endpoints (two bridge threads, as two peers would have) in this process over this host's first non-loopback
-address (aioice offers no 127.0.0.1 host candidate), with no STUN server. Every figure is a median.
+endpoints (two bridge threads, as two peers would have) in this process over this host's non-loopback addresses
+(aioice offers no 127.0.0.1 host candidate; `--rtc-loopback` forces 127.0.0.1, as the tests do), with no STUN
+server. Every figure is a median.
 """
 
 from __future__ import annotations
@@ -138,8 +139,12 @@ if __name__ == "__main__":
     parser.add_argument("--rtt-rounds", type=int, default=200)
     parser.add_argument("--mb", type=int, default=64, help="MiB pushed through TCP and WebSocket")
     parser.add_argument("--rtc-mb", type=int, default=8, help="MiB pushed through the WebRTC data channel")
+    parser.add_argument("--rtc-loopback", action="store_true", help="WebRTC host candidates on 127.0.0.1 only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    import aioice.ice
+    if args.rtc_loopback or not aioice.ice.get_host_addresses(True, True):
+        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: ["127.0.0.1"]
     out = trio.run(main, args)
     if args.json:
         print(json.dumps(out))

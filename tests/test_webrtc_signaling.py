@@ -8,7 +8,6 @@ import threading
 import pytest
 import trio
 import trio.testing
-from aioice.ice import get_host_addresses
 
 from mesh import proto
 from signaling import (
@@ -26,10 +25,7 @@ from signaling import (
     relay_webrtc,
 )
 
-needs_address = pytest.mark.skipif(
-    not get_host_addresses(True, True),
-    reason="no non-loopback address on this host: aioice offers no host candidate on 127.0.0.1",
-)
+from tests.test_webrtc import loopback_host_candidates  # noqa: F401  (autouse: host candidates on 127.0.0.1)
 
 
 class FakeLink:
@@ -66,7 +62,6 @@ async def serve_control(link: FakeLink, endpoint: RtcEndpoint, streams: dict[Sid
             await link.send(proto.Ack(of))
 
 
-@needs_address
 async def test_coordinator_relays_a_hop_and_the_peers_get_a_working_stream() -> None:
     threads = threading.active_count()
     data = os.urandom(300_000)
