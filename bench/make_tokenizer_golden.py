@@ -1,6 +1,7 @@
 """Write tests/data/smollm2_tokenizer_golden.json: llama.cpp's token ids for a varied corpus.
 
     .venv/bin/python bench/make_tokenizer_golden.py [--model PATH] [--out PATH]
+    .venv/bin/python bench/make_tokenizer_golden.py --fuzz 5000     # compare on random text, write nothing
 
 Needs llama-cpp-python (the reference); the tests only need the JSON it writes. Besides SmolLM2's own pre-tokenizer
 (`smollm`), the same vocabulary is written into metadata-only GGUFs that name the other pre-tokenizers we support
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -136,15 +138,59 @@ def dump_golden(golden: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def random_texts(n: int, seed: int) -> list[str]:
+    """Random strings over the code points the split rules care about: ASCII, whitespace, BMP, astral."""
+    rng = random.Random(seed)
+
+    def char() -> str:
+        pick = rng.random()
+        if pick < 0.4:
+            return chr(rng.randint(0x20, 0x7E))
+        if pick < 0.55:
+            return rng.choice("\t\n\r   ")
+        if pick < 0.9:
+            c = rng.randint(0xA0, 0xFFFD)
+            return chr(c) if not 0xD800 <= c <= 0xDFFF else " "
+        return chr(rng.randint(0x10000, 0x1FAFF))
+
+    return ["".join(char() for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
+def fuzz(model: Path, n: int) -> None:
+    """Compare our ids with llama.cpp's on `n` random strings for every pre-tokenizer; print the mismatches."""
+    from llama_cpp import Llama
+
+    from engine.tokenizer import Tokenizer, read_tokenizer_metadata
+
+    kv = read_tokenizer_metadata(model)
+    texts = random_texts(n, seed=1) + CORPUS
+    with tempfile.TemporaryDirectory() as tmp:
+        for pre in ("smollm",) + OTHER_PRES:
+            path = model if pre == "smollm" else with_pre(model, pre, Path(tmp) / f"{pre}.gguf")
+            llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+            ours = Tokenizer(
+                tokens=kv["tokenizer.ggml.tokens"], token_types=kv["tokenizer.ggml.token_type"],
+                merges=kv["tokenizer.ggml.merges"], pre=pre, bos_id=None, eos_ids=frozenset(), add_bos=False,
+                chat_template=None,
+            )
+            bad = [t for t in texts if ours.encode(t) != llm.tokenize(t.encode(), add_bos=False, special=True)]
+            print(f"{pre}: {len(bad)} of {len(texts)} texts differ from llama.cpp", *map(repr, bad[:5]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF to use (default: the bundled SmolLM2)")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "smollm2_tokenizer_golden.json")
+    ap.add_argument("--fuzz", type=int, default=0, metavar="N",
+                    help="instead: compare with llama.cpp on N random strings per pre-tokenizer, write nothing")
     args = ap.parse_args()
 
     import llama_cpp
 
     model = args.model or default_model_path()
+    if args.fuzz:
+        fuzz(model, args.fuzz)
+        return
     cases = {"smollm": tokenize_all(model)}
     with tempfile.TemporaryDirectory() as tmp:
         for pre in OTHER_PRES:
