@@ -325,3 +325,13 @@ async def test_largest_protocol_frame_crosses_as_one_message():
     assert server._error is None
     await trio.aclose_forcefully(client)
     await trio.aclose_forcefully(server)
+
+
+async def test_aclose_returns_even_when_the_peer_reads_nothing(monkeypatch):
+    monkeypatch.setattr(websocket, "CLOSE_GRACE_S", 0.05)
+    a, b = trio.testing.lockstep_stream_pair()  # every write waits for the peer to read
+    client, server = await upgrade(a, b)
+    with trio.fail_after(5):
+        await client.aclose()  # server never reads: the Close cannot even be written
+    with pytest.raises(trio.ClosedResourceError):
+        await client.send_all(b"x")

@@ -261,12 +261,13 @@ class WebSocketStream(trio.abc.Stream):
             if not self._send_lock.locked() and self._send_broken is None:
                 if not self._sent_close:
                     self._send_close(CloseCode.NORMAL)
-                if self._pending:
-                    async with self._send_lock:
-                        await self._write()
-                # a receive_some in another task owns the inner stream's reading side; it ends when we close it
-                if self._got_close is None and self._error is None and not self._eof and not self._receiving:
-                    with trio.move_on_after(self._close_grace):
+                # the grace covers writing our Close too: a peer that reads nothing may leave no room for it
+                with trio.move_on_after(self._close_grace):
+                    if self._pending:
+                        async with self._send_lock:
+                            await self._write()
+                    # a receive_some in another task owns the inner stream's reading side; closing ends it
+                    if self._got_close is None and self._error is None and not self._eof and not self._receiving:
                         await self._linger()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went first; closing is all that is left to do
