@@ -1,6 +1,6 @@
 import pytest
 
-from transport import Addr, AddressError, parse_addr
+from transport import Addr, AddressError, DialError, dial, parse_addr
 
 
 @pytest.mark.parametrize(
@@ -51,8 +51,14 @@ def test_parse_bad_names_string_and_reason(text, reason):
     assert repr(text) in str(info.value)
     assert reason in str(info.value)
     assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, DialError)  # `except DialError` around dial covers it
 
 
 def test_parse_rejects_non_str():
     with pytest.raises(AddressError, match="expected a str"):
         parse_addr(7000)  # type: ignore[arg-type]
+
+
+async def test_dial_rejects_a_malformed_address_before_connecting():
+    with pytest.raises(AddressError, match="missing port"):
+        await dial("just-a-host")

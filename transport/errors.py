@@ -17,20 +17,23 @@ class TransportError(Exception):
     """Base of every error this package raises on its own account."""
 
 
-class AddressError(TransportError, ValueError):
-    """An address string that is not `host:port` or `ws://host:port[/path]`."""
-
-    def __init__(self, addr: str, reason: str) -> None:
-        super().__init__(f"bad address {addr!r}: {reason}")
-        self.addr = addr
-        self.reason = reason
-
-
 class DialError(TransportError):
     """Could not open a stream to `addr` (unreachable, refused, unresolvable, or the upgrade failed)."""
 
     def __init__(self, addr: str, reason: str) -> None:
         super().__init__(f"cannot dial {addr}: {reason}")
+        self.addr = addr
+        self.reason = reason
+
+
+class AddressError(DialError, ValueError):
+    """An address string that is not `host:port` or `ws://host:port[/path]`.
+
+    A `DialError` too, so `except DialError` around `dial` also covers a malformed address.
+    """
+
+    def __init__(self, addr: str, reason: str) -> None:
+        ValueError.__init__(self, f"bad address {addr!r}: {reason}")
         self.addr = addr
         self.reason = reason
 
