@@ -162,24 +162,34 @@ async def test_dial_unresolvable_host():
         await dial("no-such-host.invalid:7000")
 
 
-async def test_ws_dial_to_a_non_websocket_server():
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (b"\x01\x02\x03 not http at all\r\n\r\n", "bad upgrade response"),
+        (b"", "closed the connection before completing the upgrade"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", "refused the upgrade with HTTP 200"),
+    ],
+)
+async def test_ws_dial_to_a_server_that_does_not_upgrade(answer, reason):
     (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listener.socket.getsockname()[1]
 
-    async def not_http():
+    async def not_websocket():
         stream = await listener.accept()
         await stream.receive_some()
-        await stream.send_all(b"\x01\x02\x03 not http at all\r\n\r\n")
+        if answer:
+            await stream.send_all(answer)
         await stream.aclose()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(not_http)
+        nursery.start_soon(not_websocket)
         addr = f"ws://127.0.0.1:{port}/x"
         with pytest.raises(DialError) as info:
             await dial(addr)
     await listener.aclose()
     assert info.value.addr == addr
-    assert "bad upgrade response" in info.value.reason
+    assert reason in info.value.reason
+    assert str(info.value).startswith(f"cannot dial {addr}: ")
 
 
 async def test_listen_on_a_taken_port_raises_listen_error():
