@@ -243,3 +243,31 @@ async def test_websocket_over_tcp_check_two_way_stream(monkeypatch):
 async def test_raw_listener_stream_check_half_closeable():
     async with stream_pairs("") as maker:
         await trio.testing.check_half_closeable_stream(maker, None)
+
+
+def ipv6_loopback_missing():
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as exc:
+        return f"no IPv6 loopback here: {exc}"
+    return None
+
+
+@pytest.mark.skipif(ipv6_loopback_missing() is not None, reason=str(ipv6_loopback_missing()))
+async def test_ipv6_addresses_dial_and_report_the_peer():
+    hosts = []
+
+    async def handler(stream):
+        hosts.append(remote_host(stream))
+        await echo(stream)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_listener, "::1", 0, handler)
+        for addr in (f"[::1]:{port}", f"ws://[::1]:{port}/v6"):
+            stream = await dial(addr)
+            assert await exchange(stream, b"\x01six") == b"\x01six"
+            assert remote_host(stream) == "::1"
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert hosts == ["::1", "::1"]
