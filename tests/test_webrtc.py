@@ -234,7 +234,7 @@ async def test_a_remote_connection_closing_mid_stream_ends_the_local_stream() ->
             answerer = await accept_offer(b, offerer.local_sdp)
             await offerer.finish(answerer.local_sdp)
             local = await offerer.open_stream()
-            await answerer.open_stream()
+            remote = await answerer.open_stream()  # held: a collected stream closes its socket, and the channel
             await local.send_all(b"x" * 100_000)
         await answerer.aclose()  # the whole remote connection goes, not just its stream
         with trio.fail_after(10):
@@ -243,3 +243,10 @@ async def test_a_remote_connection_closing_mid_stream_ends_the_local_stream() ->
                 while True:
                     await local.send_all(b"y" * 1000)
         await local.aclose()
+        await remote.aclose()
+
+
+async def test_a_call_that_is_not_a_coroutine_function_fails_instead_of_hanging() -> None:
+    async with open_rtc_bridge() as bridge:
+        with trio.fail_after(5), pytest.raises(TypeError):
+            await bridge.call(len, "not awaitable")  # type: ignore[arg-type]

@@ -48,10 +48,13 @@ class _Call:
         if self._cancel_requested:
             self._token.run_sync_soon(self._wake, None)
             return
-        # The coroutine is created here, on the loop, so a call cancelled before it started leaves no
-        # never-awaited coroutine behind.
-        self._atask = asyncio.get_running_loop().create_task(self._fn(*self._args))
+        # The coroutine is created inside the task, on the loop: a call cancelled before it started leaves no
+        # never-awaited coroutine behind, and a function that raises before its first await still reports here.
+        self._atask = asyncio.get_running_loop().create_task(self._run())
         self._atask.add_done_callback(lambda t: self._token.run_sync_soon(self._wake, t))
+
+    async def _run(self) -> Any:
+        return await self._fn(*self._args)
 
     def cancel(self) -> None:
         self._cancel_requested = True

@@ -222,7 +222,23 @@ class _LoopPeer:
             await self.pc.close()
         finally:
             if self._sock is not None:
-                self._sock.close()
+                _close_quietly(self._sock)
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    """Close the pump's end so that trio reads a clean EOF after the bytes it was given.
+
+    A unix socket closed with unread bytes in its own receive queue makes its peer's reads fail with ECONNRESET.
+    Bytes trio sent that will never reach the channel are discarded first; SHUT_RD beforehand makes trio's further
+    sends fail at once, so nothing new can arrive between the drain and the close.
+    """
+    try:
+        sock.shutdown(socket.SHUT_RD)
+        while sock.recv(65536):
+            pass
+    except OSError:  # EAGAIN once drained, or the trio end is already gone
+        pass
+    sock.close()
 
 
 class RtcPeer:
