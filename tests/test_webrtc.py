@@ -250,3 +250,24 @@ async def test_a_call_that_is_not_a_coroutine_function_fails_instead_of_hanging(
     async with open_rtc_bridge() as bridge:
         with trio.fail_after(5), pytest.raises(TypeError):
             await bridge.call(len, "not awaitable")  # type: ignore[arg-type]
+
+
+async def test_a_text_message_ends_the_byte_channel() -> None:
+    async with open_rtc_bridge() as a, open_rtc_bridge() as b:
+        with trio.fail_after(20):
+            offerer = await make_offer(a)
+            answerer = await accept_offer(b, offerer.local_sdp)
+            await offerer.finish(answerer.local_sdp)
+            local, remote = await offerer.open_stream(), await answerer.open_stream()
+            await remote.send_all(b"bytes first")
+
+            async def send_text() -> None:  # what a browser peer could do; our streams never send text
+                answerer._peer.channel.send("some text")
+
+            await b.call(send_text)
+            got = bytearray()
+            while chunk := await local.receive_some():
+                got += chunk
+        assert got == b"bytes first"
+        await local.aclose()
+        await remote.aclose()

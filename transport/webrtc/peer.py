@@ -60,7 +60,6 @@ class _LoopPeer:
         self._inbound_ended = False
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
-        self.failure: str | None = None
         self.pc.on("connectionstatechange", self._on_state)
         bridge.own(self)
 
@@ -87,13 +86,12 @@ class _LoopPeer:
 
     def _fail_ready(self, reason: str) -> None:
         if not self._ready.done():
-            self.failure = self.failure or reason
             self._ready.set_exception(ChannelError(reason))
             self._ready.exception()  # retrieved here so an unopened channel logs no "never retrieved" noise
 
     def _on_message(self, message: bytes | str) -> None:
         if isinstance(message, str):
-            self.failure = "the remote sent a text message on a byte channel"
+            # A text message on a byte pipe is a confused or hostile peer: end the channel, trio reads EOF.
             self.channel.close()
             return
         self._inbound.put_nowait(message)
