@@ -1,10 +1,10 @@
 """WebRTC data channels as trio streams: aiortc on one asyncio loop thread behind one bridge.
 
-    async with open_rtc_bridge() as bridge:
+    async with open_rtc_bridge() as bridge:                   # one per process: the asyncio loop thread
         offerer = await make_offer(bridge, servers)           # offerer.local_sdp: the complete offer
-        answerer = await accept_offer(bridge2, offerer.local_sdp, servers)
-        await offerer.finish(answerer.local_sdp)
-        stream = await offerer.open_stream()                   # a trio.abc.Stream
+        ...                                                    # (the far peer: accept_offer(its_bridge, sdp))
+        await offerer.finish(answer_sdp)
+        stream = await offerer.open_stream()                   # a trio.abc.Stream once the channel is open
 
 Callers bound every step with `trio.fail_after`; nothing here has a timeout parameter.
 """
