@@ -14,7 +14,8 @@ Record layout, at a data offset that is a multiple of RECORD_ALIGN:
     magic b"MR01" | version u16 | header length u16 | object id u64 | sequence u64 | extent u64 | flags u32 |
     reserved u32 | payload (extent bytes)
 Positions are monotonically increasing byte counters; a ring offset is `position % capacity`. A record never wraps:
-when it does not fit before the end of the data area the writer skips to the start.
+when it does not fit before the end of the data area the writer skips to the start, and when the reader has consumed
+everything the writer starts over at offset 0.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class RingWriter:
         self.arena = arena
         self.ring = ring
         self._pos = arena.write_position(ring)
+        self._floor = self._pos
         self._next_sequence = 0
 
     @property
@@ -234,9 +236,16 @@ class RingWriter:
         if need > cap:
             raise RingFull(f"{name} record of {extent} bytes exceeds the ring's {cap} bytes; use a larger arena")
         pos = self._pos
-        if pos % cap + need > cap:
+        # all before the floor was consumed when the writer last restarted; the reader's own position lags it
+        read = max(self.arena.read_position(self.ring), self._floor)
+        if read == pos and pos % cap:
+            # empty ring: start again at offset 0. In the request/reply pattern every record then lands on the same
+            # warm pages; walking through the whole ring costs a page fault per 4 KiB on first touch.
+            pos += cap - pos % cap
+            read = self._floor = pos
+        elif pos % cap + need > cap:
             pos += cap - pos % cap  # skip the tail: records never wrap
-        used = pos + need - self.arena.read_position(self.ring)
+        used = pos + need - read
         if used > cap:
             raise RingFull(f"{name} ring has no room for {need} bytes: the reader has not released earlier records")
         off = self.arena.data_base(self.ring) + pos % cap

@@ -4,6 +4,7 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from engine.arena import (EGRESS, INGRESS, RECORD_ALIGN, RECORD_FIELDS, RECORD_HEADER_LEN, Arena, ArenaError,
                           PayloadKind, RecordError, RecordHeader, RecordRef, RingFull, RingReader, RingWriter)
@@ -40,18 +41,25 @@ def test_round_trip_each_payload_kind(arena):
     other.close()
 
 
-def test_records_skip_the_tail_instead_of_wrapping_and_reuse_released_space(arena):
+def test_records_skip_the_tail_instead_of_wrapping(arena):
     w, r, other = _pair(arena, EGRESS)
     cap = arena.capacity
-    big = np.ones((cap // 3) // 4, dtype=np.float32)  # three of these do not fit in one pass
-    positions = []
-    for i in range(10):
-        ref = w.write(i, big * i)
-        positions.append(ref.position)
-        assert np.array_equal(r.take(ref), big * i)
-    offsets = [p % cap for p in positions]
-    assert offsets[0] == 0 and 0 in offsets[2:], "the writer went back to the start of the ring"
-    assert all(o + RECORD_HEADER_LEN + big.nbytes <= cap for o in offsets), "no record crosses the end"
+    third = np.ones((cap // 3) // 4, dtype=np.float32)  # a record of a third of the ring, plus its header
+    first, second = w.write(0, third), w.write(1, third * 2)
+    assert np.array_equal(r.take(first), third)
+    wrapped = w.write(2, third * 3)  # does not fit behind `second`: goes to the start, where `first` was
+    assert (first.position % cap, second.position % cap, wrapped.position % cap) == (0, second.position, 0)
+    assert wrapped.position > second.position and wrapped.position % RECORD_ALIGN == 0
+    assert np.array_equal(r.take(second), third * 2) and np.array_equal(r.take(wrapped), third * 3)
+    other.close()
+
+
+def test_an_empty_ring_starts_over_at_offset_zero(arena):
+    w, r, other = _pair(arena, EGRESS)
+    for i in range(5):
+        ref = w.write(i, np.full(100, i, dtype=np.float32))
+        assert ref.position % arena.capacity == 0 and ref.sequence == i
+        assert np.array_equal(r.take(ref), np.full(100, i, dtype=np.float32))
     other.close()
 
 
@@ -217,3 +225,27 @@ def test_device_default_comes_from_env_then_tinygrad(monkeypatch):
     assert choose_device(None, default=lambda: "CUDA", which=_which(set())).selected == "CPU:X86"
     with pytest.raises(DeviceError, match="whitespace"):
         choose_device("CP U", default=lambda: "CPU")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3000)), max_size=60))
+def test_fifo_integrity_under_any_interleaving(ops):
+    """Writes of any size and reads in order: every record reads back intact and in sequence; a write is refused
+    only while earlier records are unread, and never when the ring is empty."""
+    a = Arena.create(1 << 14)
+    try:
+        w, r = RingWriter(a, INGRESS), RingReader(a, INGRESS)
+        pending = []
+        for i, (read_first, n) in enumerate(ops):
+            if read_first and pending:
+                ref, data = pending.pop(0)
+                assert np.array_equal(r.take(ref), data)
+            data = np.arange(n, dtype=np.int32) + i
+            try:
+                pending.append((w.write(i, data), data))
+            except RingFull:
+                assert pending or n * 4 + RECORD_HEADER_LEN > a.capacity
+        for ref, data in pending:
+            assert np.array_equal(r.take(ref), data)
+    finally:
+        a.close()
