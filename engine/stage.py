@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Tensor, TinyJit, UOp, dtypes
 
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
@@ -34,7 +35,8 @@ class Stage:
     act_dtype = np.dtype(np.float32)
 
     def __init__(self, meta: ModelMeta, start: int, end: int, blocks: list[Block], embed: EmbeddingTable | None,
-                 head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int) -> None:
+                 head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int,
+                 use_jit: bool = True) -> None:
         self.meta, self.start, self.end = meta, start, end
         self.first, self.last = embed is not None, head is not None
         self.dim = meta.dim
@@ -45,10 +47,12 @@ class Stage:
         self._lengths = [0] * n_slots  # positions each slot holds
         self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
         self._vpos = [UOp.variable(f"pos{i}", 0, max_context - 1) for i in range(n_slots)]
+        self._use_jit = use_jit
+        self._jits: dict[tuple, TinyJit] = {}
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
-             weights: WeightMode = "f16", kv_dtype: str = "f16") -> "Stage":
+             weights: WeightMode = "f32", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
         the final norm and output head (the embeddings again when the output is tied)."""
         g = read_gguf(path)
@@ -94,7 +98,7 @@ class Stage:
             weight_bytes += norm.nbytes + out.nbytes
             head = Head(norm, out, meta.norm_eps)
         return cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
-                   weight_bytes=weight_bytes)
+                   weight_bytes=weight_bytes, use_jit=jit)
 
     # ---- KV slots
 
@@ -192,21 +196,34 @@ class Stage:
             if x_np.shape != (N, self.dim):
                 raise EngineError(f"hidden has shape {hidden.shape}, expected ({N}, {self.dim})")
 
-        positions = np.array([c.pos for c in cols], dtype=np.int64)
-        cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
-        groups = [Group(col, n, self._vslot[i].bind(slot), self._vpos[i].bind(pos))
-                  for i, (col, n, slot, pos) in enumerate(runs)]
-        x = Tensor(x_np)
-        cos, sin = Tensor(cos_np).reshape(N, 1, -1), Tensor(sin_np).reshape(N, 1, -1)
-        for b in self._blocks:
-            x = b(x, cos, sin, groups)
+        picks = tuple(i for i, c in enumerate(cols) if c.needs_logits) if self.last else ()
+        if self.last and not picks:
+            out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+        else:
+            positions = np.array([c.pos for c in cols], dtype=np.int64)
+            cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
+            shape = (N, tuple((col, n) for col, n, _, _ in runs), picks)
+            fn = self._jits.get(shape)
+            if fn is None:
+                fn = partial(self._graph, shape)
+                if self._use_jit:
+                    fn = self._jits[shape] = TinyJit(fn)
+            binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
+                    [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
+            out = fn(Tensor(x_np).realize(), Tensor(cos_np).realize(), Tensor(sin_np).realize(), *binds).numpy()
         for col, n, slot, pos in runs:
             self._lengths[slot] = pos + n
+        return out
 
+    def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
+        """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""
+        N, runs, picks = shape
+        k = len(runs)
+        groups = [Group(col, n, binds[i], binds[k + i]) for i, (col, n) in enumerate(runs)]
+        cos, sin = cos.reshape(N, 1, -1), sin.reshape(N, 1, -1)
+        for b in self._blocks:
+            x = b(x, cos, sin, groups)
         if not self.last:
-            return x.numpy().astype(self.act_dtype, copy=False)
-        picks = [i for i, c in enumerate(cols) if c.needs_logits]
-        if not picks:
-            return np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+            return x
         rows = x if len(picks) == N else Tensor.cat(*[x[i:i + 1] for i in picks])
-        return self._head(rows).numpy()  # (M, vocab) float32
+        return self._head(rows)  # (M, vocab) float32

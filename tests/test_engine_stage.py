@@ -178,7 +178,7 @@ def test_sampling_reproducible_across_splits(models):
     samp = Sampling(temperature=1.5, top_k=40, top_p=0.9, seed=1234)
 
     def sample(stages, seed_sampling):
-        out = [int(run_chain(stages, prefill_cols(PROMPT)[:-1] + [Column(4, 0, True, PROMPT[-1])], seed_sampling)[0])]
+        out = [int(run_chain(stages, [Column(i, 0, i == 4, t) for i, t in enumerate(PROMPT)], seed_sampling)[0])]
         for i in range(10):
             out.append(int(run_chain(stages, [Column(5 + i, 0, True, out[-1])], seed_sampling)[0]))
         return out
