@@ -128,14 +128,19 @@ async def _run_coord(cfg, args) -> None:
 async def _answer_once(coord, pipe, args, sampling) -> None:
     ids = coord.encode(args.prompt, template=args.template)
     t0 = trio.current_time()
+    first: list[float] = []
     out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
-                             stream_to=None if args.json else sys.stdout)
-    elapsed = trio.current_time() - t0
+                             stream_to=None if args.json else sys.stdout,
+                             on_token=lambda _tok: first or first.append(trio.current_time()))
+    t1 = trio.current_time()
     if args.json:
         import json
         from engine.chat import strip_stop_markers, stop_markers
         text = strip_stop_markers(coord.tokenizer.decode(out), stop_markers(coord.tokenizer))
-        print(json.dumps({"text": text, "tokens": out, "prompt_tokens": len(ids), "seconds": round(elapsed, 4)}))
+        decode_s = t1 - first[0]
+        print(json.dumps({"text": text, "tokens": out, "prompt_tokens": len(ids), "first_token_s": round(first[0] - t0, 4),
+                          "decode_s": round(decode_s, 4),
+                          "decode_tok_s": round((len(out) - 1) / decode_s, 3) if len(out) > 1 and decode_s > 0 else None}))
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()

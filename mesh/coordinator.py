@@ -232,11 +232,13 @@ class Coordinator:
         return fleet, pipe
 
     async def answer(self, pipe: Pipeline, prompt_ids: list[int], *, max_tokens: int, sampling: Sampling,
-                     resume_from: int = 0, stream_to=None) -> list[int]:
+                     resume_from: int = 0, stream_to=None, on_token=None) -> list[int]:
         decoder = StreamDecoder(self.tokenizer)
         eos = self.tokenizer.eos_ids
 
-        def on_token(tok: int) -> None:
+        def on_each(tok: int) -> None:
+            if on_token is not None:
+                on_token(tok)
             if stream_to is not None and tok not in eos:
                 text = decoder.feed(tok)
                 if text:
@@ -246,7 +248,7 @@ class Coordinator:
         if limit <= 0:
             raise SessionError(f"the prompt has {len(prompt_ids)} tokens, the context holds {self.cfg.max_context}")
         result = await generate(pipe, prompt_ids, max_tokens=limit, sampling=sampling, eos_ids=eos,
-                                resume_from=resume_from, on_token=on_token)
+                                resume_from=resume_from, on_token=on_each)
         if stream_to is not None:
             stream_to.write(decoder.flush())
             stream_to.flush()

@@ -100,7 +100,10 @@ class Peer:
         delay = 0.25
         while True:
             try:
-                stream = await transport.dial(self.cfg.join)
+                with trio.fail_after(HANDSHAKE_SECONDS):
+                    stream = await transport.dial(self.cfg.join)
+            except trio.TooSlowError:
+                log.warning("coordinator %s: no answer to our dial; retrying in %.1fs", self.cfg.join, delay)
             except transport.DialError as exc:
                 log.warning("coordinator %s unreachable: %s; retrying in %.1fs", self.cfg.join, exc.reason, delay)
             else:
@@ -251,8 +254,8 @@ class Peer:
         if addr.startswith(":"):  # the sink shorthand: the coordinator's host as seen on our control connection
             addr = f"{_host_for_dial(transport.remote_host(link.stream))}{addr}"
         try:
-            stream = await transport.dial(addr)
-            with trio.fail_after(HANDSHAKE_SECONDS):
+            with trio.fail_after(HANDSHAKE_SECONDS):   # a silently dropped address must not hang the chain set-up
+                stream = await transport.dial(addr)
                 hop = await stack.enter_async_context(open_link(stream, token=self.cfg.token, role="client"))
         except (transport.TransportError, LinkError, proto.ProtoError, trio.TooSlowError) as exc:
             self.forward = None

@@ -65,7 +65,7 @@ class Registry:
                     first = await link.receive()
                     handshake.deadline = math.inf
                     if not isinstance(first, proto.Join):
-                        await link.send(proto.Error(proto.ErrorCode.BAD_STATE,
+                        await link.send(proto.Error(proto.ErrorCode.UNEXPECTED,
                                                     f"expected Join, got {type(first).__name__}"))
                         log.warning("refused %s: first message was %s, not Join", host, type(first).__name__)
                         return
