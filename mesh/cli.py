@@ -13,6 +13,21 @@ import trio
 TOKEN_ENV = "MESH_TOKEN"
 
 
+def _leaf_errors(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaf_errors(sub)]
+    return [exc]
+
+
+def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
+    """Turn an expected failure (possibly wrapped in trio's exception groups) into one line and exit 1."""
+    leaves = _leaf_errors(exc)
+    expected = [e for e in leaves if isinstance(e, kinds)]
+    if expected and all(isinstance(e, kinds + (KeyboardInterrupt,)) for e in leaves):
+        sys.exit(f"{prog}: {expected[0]}")
+    raise exc
+
+
 def _layers(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(":"))
@@ -96,33 +111,35 @@ def coord_main(argv: list[str] | None = None) -> None:
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
                       ice=ice)
+    from mesh.errors import MeshError
+    from engine.errors import EngineError
     try:
         trio.run(_run_coord, cfg, args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        _exit_on("mesh-coord", (MeshError, EngineError, OSError), exc)
 
 
 async def _run_coord(cfg, args) -> None:
     from engine.stage import Sampling
     from mesh.coordinator import Coordinator
-    from mesh.errors import MeshError
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     coord = Coordinator(cfg)
-    try:
-        async with trio.open_nursery() as nursery:
-            port = await coord.serve_registry(nursery)
-            logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
-                                                 cfg.listen, port, cfg.min_peers)
-            async with AsyncExitStack() as stack:
-                fleet, pipe = await coord.form(nursery, stack)
-                if args.prompt is not None:
-                    await _answer_once(coord, pipe, args, sampling)
-                else:
-                    await _chat(coord, pipe, args, sampling)
-            nursery.cancel_scope.cancel()
-    except MeshError as exc:
-        sys.exit(f"mesh-coord: {exc}")
+    async with trio.open_nursery() as nursery:
+        port = await coord.serve_registry(nursery)
+        logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
+                                             cfg.listen, port, cfg.min_peers)
+        async with AsyncExitStack() as stack:
+            fleet, pipe = await coord.form(nursery, stack)
+            if args.prompt is not None:
+                await _answer_once(coord, pipe, args, sampling)
+            else:
+                await _chat(coord, pipe, args, sampling)
+        nursery.cancel_scope.cancel()
 
 
 async def _answer_once(coord, pipe, args, sampling) -> None:
@@ -204,7 +221,13 @@ def peer_main(argv: list[str] | None = None) -> None:
                      layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
                      device=args.device, max_context=args.max_context,
                      ice=IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass))
+    from mesh.errors import MeshError
+    from engine.errors import EngineError
     try:
         trio.run(Peer(cfg).run)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        _exit_on("mesh-peer", (MeshError, EngineError, OSError), exc)

@@ -22,7 +22,7 @@ from engine.stage import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
 from mesh import proto
 from mesh.errors import FleetError, HopError, SessionError
-from mesh.link import LinkError, open_link
+from mesh.link import LinkError, RemoteError, open_link
 from mesh.pipeline import ChainPipeline, HubPipeline, Pipeline, generate
 from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
 from mesh.registry import Member, Registry
@@ -60,9 +60,10 @@ async def _rpc_all(members: list[Member], make: Callable[[Member], object], expe
         await m.link.send(make(m))
     out = []
     for m in members:
-        ev = await m.link.receive()
-        if isinstance(ev, proto.Error):
-            raise FleetError(f"{m.name}: {ev.reason}")
+        try:
+            ev = await m.link.receive()
+        except LinkError as exc:
+            raise FleetError(f"{m.name}: {exc}") from None
         if not isinstance(ev, expect):
             raise FleetError(f"{m.name}: expected {expect.__name__}, got {type(ev).__name__}")
         out.append(ev)
@@ -123,7 +124,10 @@ class Fleet:
         log.info("%s has no model: shipping layers %d..%d", m.name, *r)
         await ship_range(m.link, self.cfg.model, r[0], r[1], label=m.name)
         await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.meta.fingerprint))
-        ack = await m.link.receive()
+        try:
+            ack = await m.link.receive()
+        except LinkError as exc:
+            raise FleetError(f"{m.name}: {exc}") from None
         if not isinstance(ack, proto.Ack) or ack.code != proto.LoadCode.OK:
             raise FleetError(f"{m.name} still cannot load layers {r[0]}..{r[1]} after shipping: "
                              f"{getattr(ack, 'reason', type(ack).__name__)}")
@@ -143,10 +147,11 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
                 async with open_link(stream, token=token, role="server") as link:
                     handshake.deadline = math.inf
                     while True:
-                        ev = await link.receive()
-                        if isinstance(ev, proto.Done):
-                            await send_channel.send(ev)
-                        elif isinstance(ev, proto.Error):
+                        try:
+                            ev = await link.receive()
+                        except RemoteError as exc:   # the last stage failed a step: the session must hear it
+                            ev = proto.Error(exc.code, f"the last stage ({who}): {exc.reason}")
+                        if isinstance(ev, (proto.Done, proto.Error)):
                             await send_channel.send(ev)
         except trio.TooSlowError:
             log.warning("sink: %s sent no handshake", who)
@@ -184,7 +189,10 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
     direct_error = "skipped: --webrtc-hops"
     if not forced:
         await m.link.send(proto.Chain(addr, sink))
-        ack = await m.link.receive()
+        try:
+            ack = await m.link.receive()
+        except RemoteError as exc:
+            ack = proto.Ack(proto.MsgType.CHAIN, 1, exc.reason)
         if isinstance(ack, proto.Ack) and ack.code == 0:
             return
         direct_error = getattr(ack, "reason", type(ack).__name__)

@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import time
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from engine.worker import open_worker
 from mesh import proto
 from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
 from mesh.errors import HopError
-from mesh.link import AuthFailed, LinkClosed, LinkError, open_link
+from mesh.link import AuthFailed, LinkClosed, LinkError, RemoteError, open_link
 from mesh.report import DonorReport
 
 log = logging.getLogger("mesh.peer")
@@ -127,8 +126,9 @@ class Peer:
                                                *(self.cfg.layers or (-1, -1))))
                     log.info("joined coordinator %s", self.cfg.join)
                     try:
-                        async with AsyncExitStack() as session_stack:  # forward hops live as long as the session
-                            await self._serve_ops(link, session_stack, control=True)
+                        async with trio.open_nursery() as session:  # hops and lanes live as long as the session
+                            await self._serve_ops(link, session, control=True)
+                            session.cancel_scope.cancel()
                     finally:
                         self.forward = None
         except trio.TooSlowError:
@@ -143,38 +143,51 @@ class Peer:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
                 async with open_link(stream, token=self.cfg.token, role="server") as link:
                     handshake.deadline = math.inf
-                    async with AsyncExitStack() as stack:
-                        await self._serve_ops(link, stack, control=False)
+                    async with trio.open_nursery() as lane:
+                        await self._serve_ops(link, lane, control=False)
+                        lane.cancel_scope.cancel()
         except trio.TooSlowError:
             log.warning("inbound hop from %s: no handshake within %.0fs", peer, HANDSHAKE_SECONDS)
         except (LinkError, proto.ProtoError, transport.TransportError, HopError) as exc:
             log.warning("inbound hop from %s ended: %s", peer, exc)
 
     # ---- the op loop ---------------------------------------------------------------------------------------
-    async def _serve_ops(self, link, stack: AsyncExitStack, *, control: bool) -> None:
+    async def _serve_ops(self, link, nursery, *, control: bool) -> None:
         while True:
             try:
                 ev = await link.receive()
             except LinkClosed:
                 return
+            except RemoteError as exc:
+                # A predecessor failed a step. In chain mode nobody upstream reads errors, so pass it on toward
+                # the sink, where the coordinator is waiting for this step's tokens.
+                await self._fail_forward(link, f"{exc.reason}", exc.code)
+                continue
             if isinstance(ev, proto.Shutdown):
                 return
             try:
-                await self._dispatch(ev, link, stack, control)
+                await self._dispatch(ev, link, nursery, control)
             except (LinkError, HopError):
                 raise
             except Exception as exc:  # one bad op answers with an error; the link and the peer go on
                 log.exception("op %s failed", type(ev).__name__)
-                await link.send(proto.Error(proto.ErrorCode.INTERNAL, f"{type(ev).__name__}: {exc}"[:500]))
+                await self._fail_forward(link, f"{self._where()}: {type(ev).__name__} failed: {exc}"[:500])
 
-    async def _dispatch(self, ev, link, stack: AsyncExitStack, control: bool) -> None:
+    async def _fail_forward(self, link, reason: str, code=proto.ErrorCode.INTERNAL) -> None:
+        """Report a failure where it will be read: down the chain when forwarding, else back on `link`."""
+        await (self.forward.link if self.forward else link).send(proto.Error(code, reason))
+
+    def _where(self) -> str:
+        return f"layers {self.loaded[0]}..{self.loaded[1]}" if self.loaded else "peer"
+
+    async def _dispatch(self, ev, link, nursery, control: bool) -> None:
         if isinstance(ev, proto.InfoRequest):
             await link.send(self._info())
         elif isinstance(ev, proto.Load):
             code, reason = await self._handle_load(ev)
             await link.send(proto.Ack(proto.MsgType.LOAD, int(code), reason))
         elif isinstance(ev, proto.Chain):
-            await self._handle_chain(ev, link, stack)
+            await self._handle_chain(ev, link, nursery)
         elif isinstance(ev, proto.Vocab):
             self.vocab = ev.tokens
         elif isinstance(ev, (proto.BatchStep, proto.Step)):
@@ -186,7 +199,7 @@ class Peer:
         elif isinstance(ev, proto.ShipBegin):
             await self._handle_ship(ev, link)
         elif isinstance(ev, (proto.Signal, proto.RtcServe, proto.RtcChain)):
-            await self._handle_rtc(ev, link, stack)
+            await self._handle_rtc(ev, link, nursery)
         elif isinstance(ev, (proto.Draft, proto.DraftBatch, proto.DraftSeed)):
             await link.send(proto.Error(proto.ErrorCode.BAD_REQUEST,
                                         "speculative drafting needs a draft head; this model has none"))
@@ -245,7 +258,7 @@ class Peer:
         await serve_ship(link, ev, self._cache_root())
 
     # ---- the chain -----------------------------------------------------------------------------------------
-    async def _handle_chain(self, ev: proto.Chain, link, stack: AsyncExitStack) -> None:
+    async def _handle_chain(self, ev: proto.Chain, link, nursery) -> None:
         if not ev.addr:
             self.forward = None
             await link.send(proto.Ack(proto.MsgType.CHAIN, 0, "cleared"))
@@ -254,9 +267,7 @@ class Peer:
         if addr.startswith(":"):  # the sink shorthand: the coordinator's host as seen on our control connection
             addr = f"{_host_for_dial(transport.remote_host(link.stream))}{addr}"
         try:
-            with trio.fail_after(HANDSHAKE_SECONDS):   # a silently dropped address must not hang the chain set-up
-                stream = await transport.dial(addr)
-                hop = await stack.enter_async_context(open_link(stream, token=self.cfg.token, role="client"))
+            hop = await nursery.start(self._hop, addr)
         except (transport.TransportError, LinkError, proto.ProtoError, trio.TooSlowError) as exc:
             self.forward = None
             await link.send(proto.Ack(proto.MsgType.CHAIN, 1, f"dial {addr} failed: {exc}"))
@@ -264,6 +275,15 @@ class Peer:
         self.forward = _Forward(hop, ev.sink, addr)
         log.info("forwarding to %s %s", "sink" if ev.sink else "peer", addr)
         await link.send(proto.Ack(proto.MsgType.CHAIN, 0, addr))
+
+    async def _hop(self, addr: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own one outbound hop for the rest of the session: dial, authenticate, hand the link over, keep it open."""
+        with trio.fail_after(HANDSHAKE_SECONDS) as handshake:   # a silently dropped address must not hang set-up
+            stream = await transport.dial(addr)
+            async with open_link(stream, token=self.cfg.token, role="client") as hop:
+                handshake.deadline = math.inf
+                task_status.started(hop)
+                await trio.sleep_forever()
 
     async def _handle_step(self, ev, link) -> None:
         if self.loaded is None:
@@ -304,9 +324,9 @@ class Peer:
             await self.forward.link.send(ev)
 
     # ---- WebRTC --------------------------------------------------------------------------------------------
-    async def _handle_rtc(self, ev, link, stack: AsyncExitStack) -> None:
+    async def _handle_rtc(self, ev, link, nursery) -> None:
         from mesh.rtc_lane import handle_rtc_op
-        await handle_rtc_op(self, ev, link, stack)
+        await handle_rtc_op(self, ev, link, nursery)
 
     # ---- the donor's self-report ---------------------------------------------------------------------------
     async def _report_loop(self) -> None:

@@ -17,6 +17,7 @@ from engine.stage import Column, Sampling
 from mesh import proto
 from mesh.convert import from_activation, to_activation, to_engine_columns, to_wire_columns, to_wire_sampling
 from mesh.errors import SessionError
+from mesh.link import LinkError
 
 log = logging.getLogger("mesh.pipeline")
 
@@ -28,9 +29,11 @@ class LocalStage(Protocol):
     async def rollback(self, slot, pos): ...
 
 
-def _expect(ev, kind, who: str):
-    if isinstance(ev, proto.Error):
-        raise SessionError(f"{who}: {ev.reason} (error {int(ev.code)})")
+async def _receive(link, kind, who: str):
+    try:
+        ev = await link.receive()
+    except LinkError as exc:
+        raise SessionError(f"{who}: {exc}") from None
     if not isinstance(ev, kind):
         raise SessionError(f"{who}: expected {kind.__name__}, got {type(ev).__name__}")
     return ev
@@ -96,7 +99,7 @@ class HubPipeline(Pipeline):
         for k, (link, name) in enumerate(zip(self.links, self.names)):
             await link.send(proto.BatchStep(group, len(cols) > 16, wire_cols, hidden, wire_sampling))
             last = k == len(self.links) - 1
-            ev = _expect(await link.receive(), proto.Tokens if last else proto.Hidden, name)
+            ev = await _receive(link, proto.Tokens if last else proto.Hidden, name)
             if ev.group != group:
                 raise SessionError(f"{name}: answered step {ev.group}, expected {group}")
             if last:
