@@ -134,6 +134,30 @@ class ChainPipeline(Pipeline):
         return done.tokens
 
 
+class LocalPipeline(Pipeline):
+    """Every layer in one stage of our own (a worker holding the whole model): the unsharded reference."""
+
+    def __init__(self, stage: LocalStage):
+        super().__init__(None, ["local"])
+        self.stage = stage
+        self._pending: dict[int, tuple[list[Column], Sampling]] = {}
+
+    async def _send_inband(self, ev) -> None:
+        if isinstance(ev, proto.ZeroSlot):
+            await self.stage.zero_slot(ev.slot)
+        elif isinstance(ev, proto.Rollback):
+            await self.stage.rollback(ev.slot, ev.pos)
+
+    async def submit(self, cols, sampling) -> int:
+        group = self.next_group()
+        self._pending[group] = (cols, sampling)
+        return group
+
+    async def collect(self, group: int) -> tuple[int, ...]:
+        cols, sampling = self._pending.pop(group)
+        return tuple(int(t) for t in await self.stage.step(cols, None, sampling))
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     prompt_tokens: int

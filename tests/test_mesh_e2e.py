@@ -1,0 +1,141 @@
+"""Whole meshes on loopback: a coordinator and peers as separate processes, output compared with the unsharded engine.
+
+Slow by nature (every process imports tinygrad and starts a worker), so each test does one thing a user would do and
+checks the result bitwise. The tiny chat model loads in well under a second; most of the time is process start-up.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine.stage import Sampling
+from engine.tokenizer import Tokenizer
+from engine.worker import open_worker
+from mesh.pipeline import LocalPipeline, generate
+from tests.mesh_fixtures import free_port, mesh_cmd, processes, run_coord, write_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+PROMPT = "The quick brown fox jumps over the lazy dog."
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny-chat.gguf", n_layers=6)
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[int]:
+    """Greedy tokens of the unsharded engine: one worker holding every layer, driven by the same generate()."""
+    async def main():
+        tok = Tokenizer.from_gguf(model)
+        async with open_worker() as w:
+            await w.load(model, 0, 6)
+            result = await generate(LocalPipeline(w), tok.encode(PROMPT), max_tokens=MAX_TOKENS, sampling=Sampling(),
+                                    eos_ids=tok.eos_ids)
+        return result.tokens
+    return trio.run(main)
+
+
+def peer(start, port: int, *args: str, token: str | None = None, model: Path | None = None, capture: bool = False):
+    cmd = mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", *args)
+    if token:
+        cmd += ["--token", token]
+    if model:
+        cmd += ["--model", str(model)]
+    return start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if capture else subprocess.DEVNULL)
+
+
+def coord_args(*extra: str, token: str | None = None, peers: int = 3) -> list[str]:
+    args = ["--min-peers", str(peers), "--settle", "0.3", "--wait", "120", "--prompt", PROMPT, "--template", "raw",
+            "--max-tokens", str(MAX_TOKENS), *extra]
+    return args + (["--token", token] if token else [])
+
+
+@pytest.mark.parametrize("chain, token", [("p2p", "s3cret"), ("hub", None), ("p2p", None), ("hub", "s3cret")])
+def test_three_peers_equal_the_unsharded_engine(model, reference, chain, token):
+    port = free_port()
+    with processes() as start:
+        for _ in range(3):
+            peer(start, port, token=token, model=model)
+        code, answer, err = run_coord(start, port, model, *coord_args("--chain", chain, token=token))
+    assert code == 0, err
+    assert answer["tokens"] == reference, err
+    assert "stage 3: peer" in err and "layers 4..6" in err  # the topology map went to stderr
+
+
+def test_pinned_peers_joining_late_in_reverse_order(model, reference):
+    """The last range joins first, the first range last, all after the coordinator started: chain order is by layer."""
+    port = free_port()
+    with processes() as start:
+        coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--json",
+                               *coord_args(peers=3)))
+        for layers in ("4:6", "2:4", "0:2"):
+            peer(start, port, "--layers", layers, model=model)
+        out, err = coord.communicate(timeout=240)
+    err = err.decode()
+    assert coord.returncode == 0, err
+    import json
+    assert json.loads(out.decode().splitlines()[-1])["tokens"] == reference
+    assert "auto-split" not in err                     # all pinned: nothing was re-planned
+    assert err.index("layers 0..2") < err.index("layers 2..4") < err.index("layers 4..6")
+
+
+def test_refusals_name_the_peer_and_the_reason(model, tmp_path):
+    other = write_tiny_chat_model(tmp_path / "other.gguf", n_layers=6, seed=7)
+    port = free_port()
+    with processes() as start:   # a peer pinned to a different model of the same shape
+        peer(start, port, "--layers", "0:3", model=model)
+        peer(start, port, "--layers", "3:6", model=other)
+        code, _, err = run_coord(start, port, model, *coord_args(peers=2))
+    assert code == 1 and "holds a different model" in err.splitlines()[-1], err
+
+    port = free_port()
+    with processes() as start:   # pinned ranges with a gap
+        peer(start, port, "--layers", "0:2", model=model)
+        peer(start, port, "--layers", "3:6", model=model)
+        code, _, err = run_coord(start, port, model, *coord_args(peers=2))
+    assert code == 1 and "layers 2..3 uncovered" in err.splitlines()[-1], err
+
+    port = free_port()
+    with processes() as start:   # a wrong token: the peer exits with one line, the coordinator refuses and goes on
+        coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--json",
+                               *coord_args(peers=1, token="right"), "--wait", "30"))
+        bad = peer(start, port, token="wrong", model=model, capture=True)
+        _, bad_err = bad.communicate(timeout=120)
+        good = peer(start, port, token="right", model=model)
+        out, err = coord.communicate(timeout=240)
+    bad_err = bad_err.decode()
+    assert bad.returncode != 0 and f"127.0.0.1:{port}" in bad_err.splitlines()[-1], bad_err
+    assert coord.returncode == 0, err.decode()
+    assert "refused" in err.decode() or "token" in err.decode()
+
+
+def test_peers_rejoin_after_a_coordinator_restart(model, reference):
+    port = free_port()
+    with processes() as start:
+        for _ in range(2):
+            peer(start, port, model=model)
+        for _ in range(2):  # the same peers serve two coordinators in turn
+            code, answer, err = run_coord(start, port, model, *coord_args(peers=2))
+            assert code == 0, err
+            assert answer["tokens"] == reference
+
+
+def test_modelless_peers_receive_their_layers(model, reference, tmp_path):
+    port = free_port()
+    with processes() as start:
+        for i in range(2):
+            peer(start, port, "--cache-dir", str(tmp_path / f"cache{i}"))
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))
+        assert code == 0, err
+        assert answer["tokens"] == reference
+        shipped = sorted(p.name for p in tmp_path.glob("cache*/*/*.gguf"))
+        assert shipped == ["0-3.gguf", "3-6.gguf"], shipped
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))   # the cache is reused
+        assert code == 0 and answer["tokens"] == reference, err
+        assert "shipping" not in err
