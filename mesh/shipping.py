@@ -33,7 +33,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -610,6 +610,25 @@ async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | N
                          reply.code if isinstance(reply, proto.Error) else ErrorCode.INTERNAL)
 
 
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+@asynccontextmanager
+async def _one_error():
+    """Callers see the error that ended a shipment (a LinkClosed, a ShipFailed), not a nursery's group of them."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        real = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if real and all(isinstance(e, Exception) for e in real):
+            raise real[0] from None
+        raise
+
+
 async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str,
                      board: ProgressBoard) -> tuple[int, int, proto.Event]:
     await link.send(proto.ShipBegin(plan.fingerprint, plan.start, plan.end, plan.size, digest, plan.name))
@@ -632,7 +651,7 @@ async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str
         sending.cancel()  # an answer before ShipEnd is a failure: stop sending
 
     try:
-        async with trio.open_nursery() as nursery:
+        async with _one_error(), trio.open_nursery() as nursery:
             with trio.CancelScope() as sending:
                 nursery.start_soon(watch, sending)
                 with closing(plan.iter_chunks(offset, chunk)) as chunks:
