@@ -45,6 +45,7 @@ from engine.gguf_range import (CHUNK_BYTES, KEY_FINGERPRINT, KEY_RANGE_END, KEY_
                                RangePlan, plan_range_gguf, range_file_name, read_source_header)
 from mesh import proto
 from mesh.errors import MeshError
+from mesh.link import RemoteError
 
 __all__ = [
     "ShipAck",
@@ -568,11 +569,8 @@ async def _await_reply(link) -> proto.Event:
     """The receiver's one answer after ShipResume: an Ack, or an Error (as an event or the Link's RemoteError)."""
     try:
         return await link.receive()
-    except Exception as exc:
-        code = getattr(exc, "code", None)
-        if code is None or not hasattr(exc, "reason"):
-            raise
-        return proto.Error(ErrorCode(code), exc.reason)
+    except RemoteError as exc:
+        return proto.Error(exc.code, exc.reason)
 
 
 async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | None = None,

@@ -1,0 +1,193 @@
+"""ship_range and serve_ship over real Links on memory stream pairs: resume, busy, re-ship, failures."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import threading
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+from engine.gguf_range import LayerRangeError, plan_range_gguf
+from mesh import proto
+from mesh.link import open_link
+from mesh.shipping import ProgressBoard, ShipBusy, ShipCache, ShipFailed, serve_ship, ship_range
+from tests.test_gguf_range import write_model
+
+TOKEN = b"fleet-token"
+CHUNK = 4096
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_model(tmp_path / "model.gguf", n_layers=4, dim=64)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return ShipCache(tmp_path / "cache")
+
+
+@asynccontextmanager
+async def link_pair():
+    """(coordinator side, peer side) Links over one in-memory stream pair."""
+    left, right = trio.testing.memory_stream_pair()
+    send, receive = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        async def server() -> None:
+            async with open_link(right, token=TOKEN, role="server") as link:
+                await send.send(link)
+                await trio.sleep_forever()
+
+        nursery.start_soon(server)
+        async with open_link(left, token=TOKEN, role="client") as client:
+            yield client, await receive.receive()
+            nursery.cancel_scope.cancel()
+
+
+async def peer_side(link, cache, results, **kw):
+    """What a peer's op loop does: read the ShipBegin, hand the link to serve_ship."""
+    while True:
+        ev = await link.receive()
+        assert isinstance(ev, proto.ShipBegin)
+        results.append(await serve_ship(link, ev, cache, **kw))
+
+
+class CountingWrite:
+    """A write function that counts the bytes landing on disk and can fire or fail at a threshold."""
+
+    def __init__(self, *, fire_at=None, fail_at=None):
+        self.written, self.fire_at, self.fail_at = 0, fire_at, fail_at
+        self.fired = threading.Event()
+
+    def __call__(self, fd, view):
+        if self.fail_at is not None and self.written >= self.fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = os.write(fd, view)
+        self.written += n
+        if self.fire_at is not None and self.written >= self.fire_at:
+            self.fired.set()
+        return n
+
+
+async def ship(plan, cache, *, write=os.write, board=None):
+    """One coordinator-to-peer shipment; the sender's error, if any, is raised as itself."""
+    results, error = [], None
+    async with link_pair() as (coord, peer), trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: peer_side(peer, cache, results, write=write))
+        try:
+            result = await ship_range(coord, plan, chunk=CHUNK,
+                                      board=board or ProgressBoard(io.StringIO(), tty=False))
+        except Exception as exc:
+            error = exc
+        nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result, results
+
+
+async def test_shipping_over_a_link_lands_the_file_and_reports_progress(model, cache, tmp_path):
+    out = io.StringIO()
+    plan = plan_range_gguf(model, 2, 4)
+    result, paths = await ship(plan, cache, board=ProgressBoard(out, tty=False, interval=0.0))
+    entry = cache.entry(plan.fingerprint, 2, 4)
+    assert paths == [entry]
+    assert (result.resumed_at, result.sent_bytes, result.attempts) == (0, plan.size, 1)
+    assert hashlib.sha256(entry.read_bytes()).digest() == plan.sha256()
+    assert out.getvalue().splitlines()[-1].startswith(f"layers 2..4: {plan.size / 1e6:.1f}/")
+    assert out.getvalue().rstrip().endswith("done")
+    # The next session finds the complete entry: ShipResume(total), then just ShipEnd.
+    again, paths = await ship(plan, cache)
+    assert (again.resumed_at, again.sent_bytes) == (plan.size, 0) and paths == [entry]
+
+
+async def test_killed_halfway_resumes_with_only_the_remainder(model, cache):
+    plan = plan_range_gguf(model, 0, 4)
+    half = plan.size // 2
+    first = CountingWrite(fire_at=half)
+    with trio.move_on_after(60) as timeout:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(ship, plan, cache, write=first))
+            assert await trio.to_thread.run_sync(first.fired.wait, 30)
+            nursery.cancel_scope.cancel()  # the coordinator dies mid-transfer
+    assert not timeout.cancelled_caught
+    part = cache.part(plan.fingerprint, 0, 4)
+    held = part.stat().st_size
+    assert half <= held < plan.size and not cache.entry(plan.fingerprint, 0, 4).exists()
+
+    second = CountingWrite()
+    result, paths = await ship(plan, cache, write=second)
+    assert result.resumed_at == held and result.sent_bytes == plan.size - held == second.written
+    assert paths == [cache.entry(plan.fingerprint, 0, 4)]
+    assert hashlib.sha256(paths[0].read_bytes()).digest() == plan.sha256()
+
+
+async def test_corrupted_partial_is_reshipped_from_zero(model, cache):
+    plan = plan_range_gguf(model, 1, 3)
+    with trio.move_on_after(60):
+        w = CountingWrite(fire_at=3 * CHUNK)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(ship, plan, cache, write=w))
+            assert await trio.to_thread.run_sync(w.fired.wait, 30)
+            nursery.cancel_scope.cancel()
+    part = cache.part(plan.fingerprint, 1, 3)
+    held = part.stat().st_size
+    with open(part, "r+b") as f:
+        f.seek(7)
+        f.write(b"\x00\xff")
+    result, paths = await ship(plan, cache)
+    assert result.attempts == 2 and result.resumed_at == 0
+    assert result.sent_bytes == (plan.size - held) + plan.size
+    assert hashlib.sha256(paths[-1].read_bytes()).digest() == plan.sha256()
+
+
+async def test_second_shipper_is_refused_busy_then_succeeds(model, cache):
+    plan = plan_range_gguf(model, 0, 2)
+    gate = threading.Event()
+    started = threading.Event()
+
+    def slow_write(fd, view):
+        started.set()
+        assert gate.wait(timeout=30)
+        return os.write(fd, view)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: ship(plan, cache, write=slow_write))
+        assert await trio.to_thread.run_sync(started.wait, 30)
+        try:
+            with pytest.raises(ShipBusy, match="being shipped by another connection"):
+                await ship(plan, cache)
+        finally:
+            gate.set()
+    result, paths = await ship(plan, cache)  # the first has let go: the entry is complete
+    assert (result.resumed_at, result.sent_bytes) == (plan.size, 0)
+
+
+async def test_full_disk_fails_clearly_and_keeps_the_partial(model, cache):
+    plan = plan_range_gguf(model, 0, 4)
+    with pytest.raises(ShipFailed, match="disk full; the partial is kept"):
+        await ship(plan, cache, write=CountingWrite(fail_at=5 * CHUNK))
+    assert cache.part(plan.fingerprint, 0, 4).stat().st_size == 5 * CHUNK
+    assert not cache.entry(plan.fingerprint, 0, 4).exists()
+    result, _ = await ship(plan, cache)
+    assert result.resumed_at == 5 * CHUNK
+
+
+async def test_wrong_hash_is_refused_and_never_renamed(model, cache):
+    plan = plan_range_gguf(model, 0, 4)
+    plan._sha256 = hashlib.sha256(b"something else").digest()
+    with pytest.raises(ShipFailed, match="is not the announced"):
+        await ship(plan, cache)
+    assert not cache.entry(plan.fingerprint, 0, 4).exists()
+    assert not cache.part(plan.fingerprint, 0, 4).exists()
+
+
+async def test_range_outside_the_model_fails_before_anything_is_sent(model, cache):
+    async with link_pair() as (coord, _peer):
+        with pytest.raises(LayerRangeError, match="0..9"):
+            await ship_range(coord, model, 0, 9)
