@@ -17,7 +17,7 @@ from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, ggml_data_to_tensor
 from .errors import ModelFormatError, RangeError, UnsupportedModel
 from .gguf_meta import GGUFFile, ModelMeta, TensorInfo
 
-WeightMode = Literal["f32", "f16", "quant"]
+WeightMode = Literal["f32", "f16", "q8", "quant"]
 TINYGRAD_TYPES = frozenset(_GGML_NATIVE) | frozenset(_GGML_QUANT)
 
 
@@ -75,14 +75,22 @@ def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, r // n_heads // 2, 2, b).transpose(0, 2, 1, 3).reshape(r, b).copy()
 
 
+Q8_BLOCK = 32
+
+
 @dataclass(slots=True)
 class Weight:
-    """A weight as the stage holds it: dense (already dequantized) or raw quant blocks dequantized per use."""
+    """A weight as the stage holds it: dense (already dequantized), int8 blocks with one f32 scale per 32 values
+    ('q8', expanded inside the kernels that use it), or raw GGUF blocks dequantized per use ('quant')."""
     tensor: Tensor
     shape: tuple[int, ...]
-    ggml_type: int | None = None  # set when kept quantized
+    ggml_type: int | None = None  # set when kept as raw GGUF blocks
+    scale: Tensor | None = None  # set for q8: (rows, cols // 32, 1)
 
     def value(self) -> Tensor:
+        if self.scale is not None:
+            rows, cols = self.shape
+            return (self.tensor.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK).cast(dtypes.float32) * self.scale).reshape(rows, cols)
         if self.ggml_type is None:
             return self.tensor
         n = int(np.prod(self.shape))
@@ -90,7 +98,17 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.nbytes()
+        return self.tensor.nbytes() + (self.scale.nbytes() if self.scale is not None else 0)
+
+
+def to_q8(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per block of 32 (the Q8_0 scheme, f32 scales): exact for Q8_0 sources, within 1/254 of a
+    block's largest magnitude otherwise."""
+    rows, cols = dense.shape
+    blocks = dense.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / 127.0
+    scale[scale == 0] = 1.0
+    return np.rint(blocks / scale).astype(np.int8).reshape(rows, cols), scale.astype(np.float32)
 
 
 def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: int = 0) -> Weight:
@@ -104,6 +122,9 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
         return Weight(raw.contiguous().realize(), info.shape, info.ggml_type)
     n = int(np.prod(info.shape))
     dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
+    if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
+        q, scale = to_q8(dense.cast(dtypes.float32).numpy())
+        return Weight(Tensor(q).realize(), info.shape, scale=Tensor(scale).realize())
     # norms and biases stay f32: they are tiny and feed every activation
     dtype = dtypes.float16 if mode != "f32" and len(info.shape) > 1 else dtypes.float32
     return Weight(dense.cast(dtype).contiguous().realize(), info.shape)

@@ -52,7 +52,7 @@ class Stage:
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
-             weights: WeightMode = "f32", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
+             weights: WeightMode = "q8", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
         the final norm and output head (the embeddings again when the output is tied)."""
         g = read_gguf(path)
@@ -62,7 +62,7 @@ class Stage:
             raise RangeError(f"{path}: n_slots must be at least 1, got {n_slots}")
         if not 1 <= max_context <= meta.context_length:
             raise RangeError(f"{path}: max_context {max_context} is outside [1, {meta.context_length}]")
-        if kv_dtype not in _KV_DTYPES or weights not in ("f32", "f16", "quant"):
+        if kv_dtype not in _KV_DTYPES or weights not in ("f32", "f16", "q8", "quant"):
             raise EngineError(f"unknown weights={weights!r} or kv_dtype={kv_dtype!r}")
         first, last = start == 0, end == meta.n_layers
         D, H, KvH, Hd = meta.dim, meta.n_heads, meta.n_kv_heads, meta.head_dim

@@ -52,7 +52,7 @@ def test_loader_reads_only_its_range(llama, monkeypatch):
     read = []
     real = loader.read_rows
     monkeypatch.setattr(loader, "read_rows", lambda g, info: read.append(info.name) or real(g, info))
-    s = Stage.load(llama, 2, 3, max_context=16)
+    s = Stage.load(llama, 2, 3, max_context=16, weights="f32")
     assert read and all(n.startswith("blk.2.") for n in read)
     tensors = read_gguf(llama).tensors
     assert s.weight_bytes == sum(4 * int(np.prod(tensors[n].shape)) for n in read)  # held as f32
@@ -113,3 +113,19 @@ def test_range_validation(llama):
             Stage.load(llama, start, end)
     with pytest.raises(RangeError, match="max_context"):
         Stage.load(llama, 0, 1, max_context=100_000)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_q8_weights(tmp_path, qtype):
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=1, qtype=qtype)
+    g = read_gguf(p)
+    info = g.tensors["blk.0.ffn_gate.weight"]
+    dense = loader.load_weight(g, info, "f32").value().numpy()
+    w = loader.load_weight(g, info, "q8")
+    assert w.tensor.dtype.itemsize == 1 and w.nbytes == dense.size + dense.size // 32 * 4
+    got = w.value().numpy()
+    if qtype == "Q8_0":  # same scheme: nothing lost beyond float rounding of the scale
+        np.testing.assert_allclose(got, dense, rtol=1e-6, atol=1e-7)
+    else:
+        bound = np.abs(dense.reshape(-1, 32)).max(-1, keepdims=True) / 254 + 1e-7
+        assert (np.abs(got - dense).reshape(-1, 32) <= bound).all()

@@ -1,0 +1,166 @@
+"""Engine benchmark (not a test): the unsharded engine against llama.cpp in the same run, and each stage's memory.
+
+    .venv/bin/python bench/engine_bench.py [--model PATH] [--tokens 64] [--weights f32] [--splits 0,10,20,30]
+
+Reports, for SmolLM2 by default:
+  * tinygrad engine: load time, first-token latency cold (kernels compiled in this process) and warm (a second
+    prompt after reset), steady decode tok/s (median step);
+  * llama.cpp (llama-cpp-python, if installed) on the same token ids and thread count: first token, decode tok/s;
+  * per stage of --splits, in a fresh subprocess each: range load time, weight and KV bytes, peak RSS above the
+    process's RSS before loading (interpreter + tinygrad), and its ratio to weight + KV bytes.
+Set JITBEAM=2 to let tinygrad search kernels for the decode step (cached on disk after the first run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUESTION = "Write a short poem about the sea."
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def prompt_ids(path: Path) -> list[int]:
+    from engine.chat import render_prompt
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(path)
+    return tok.encode(render_prompt(tok, QUESTION))
+
+
+def bench_engine(path: Path, prompt: list[int], n: int, weights: str, ctx: int) -> dict:
+    from engine.stage import Column, Stage
+    t0 = time.perf_counter()
+    stage = Stage.load(path, 0, stage_depth(path), n_slots=1, max_context=ctx, weights=weights)
+    load_s = time.perf_counter() - t0
+
+    def run() -> tuple[float, list[float], list[int]]:
+        t = time.perf_counter()
+        out = stage.step([Column(i, 0, i == len(prompt) - 1, tk) for i, tk in enumerate(prompt)])
+        first = time.perf_counter() - t
+        toks, steps = [int(out[0])], []
+        for i in range(n - 1):
+            t = time.perf_counter()
+            toks.append(int(stage.step([Column(len(prompt) + i, 0, True, toks[-1])])[0]))
+            steps.append(time.perf_counter() - t)
+        return first, steps, toks
+
+    cold_first, cold_steps, toks = run()
+    stage.reset()
+    warm_first, warm_steps, toks2 = run()
+    steady = statistics.median(warm_steps[2:] or warm_steps)
+    return {"load_s": load_s, "first_token_cold_s": cold_first, "first_token_warm_s": warm_first,
+            "decode_tok_s": 1.0 / steady, "first_decode_steps_s": [round(x, 3) for x in cold_steps[:3]],
+            "weight_mb": stage.weight_bytes / 1e6, "kv_mb": stage.kv_bytes / 1e6, "tokens": toks,
+            "deterministic": toks == toks2}
+
+
+def bench_llama_cpp(path: Path, prompt: list[int], n: int, threads: int) -> dict | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    out, times = [], []
+    t = time.perf_counter()
+    for tk in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out.append(int(tk))
+        if len(out) == n:
+            break
+    return {"first_token_s": times[0], "decode_tok_s": 1.0 / statistics.median(times[1:]), "tokens": out,
+            "version": llama_cpp.__version__}
+
+
+def stage_depth(path: Path) -> int:
+    from engine.gguf_meta import read_model_meta
+    return read_model_meta(path).n_layers
+
+
+def child(path: Path, start: int, end: int, weights: str, ctx: int) -> None:
+    """Runs in a fresh process: load one stage, run a few steps, report its memory."""
+    import numpy as np
+    from engine.stage import Column, Stage
+    import tinygrad  # noqa: F401  (count the library in the baseline, not in the stage)
+    base = _rss_kb()
+    t = time.perf_counter()
+    s = Stage.load(path, start, end, n_slots=1, max_context=ctx, weights=weights)
+    load_s = time.perf_counter() - t
+    cols = [Column(i, 0, i == 7, 1) for i in range(8)]
+    hidden = None if s.first else np.zeros((8, s.dim), np.float32)
+    s.step(cols, hidden)
+    for i in range(4):
+        s.step([Column(8 + i, 0, True, 1)], None if s.first else np.zeros((1, s.dim), np.float32))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"range": [start, end], "load_s": load_s, "weight_mb": s.weight_bytes / 1e6,
+                      "kv_mb": s.kv_bytes / 1e6, "base_rss_mb": base / 1e3, "peak_rss_mb": peak / 1e3,
+                      "ratio": (peak - base) * 1e3 / (s.weight_bytes + s.kv_bytes)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--weights", default="f32", choices=["f32", "f16", "quant", "q8"])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--splits", default="0,10,20,30")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,llama,memory")
+    ap.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.model is None:
+        from engine.sources import default_model_path
+        a.model = default_model_path()
+    if a.child:
+        return child(a.model, a.child[0], a.child[1], a.weights, a.ctx)
+    skip = set(a.skip.split(","))
+    prompt = prompt_ids(a.model)
+    print(f"model {a.model.name}, prompt {len(prompt)} tokens, {a.tokens} new, weights={a.weights}, "
+          f"JITBEAM={os.environ.get('JITBEAM', '0')}, {a.threads} threads")
+    eng = None
+    if "engine" not in skip:
+        eng = bench_engine(a.model, prompt, a.tokens, a.weights, a.ctx)
+        print(f"tinygrad engine : load {eng['load_s']:.2f} s, first token cold {eng['first_token_cold_s']:.2f} s / "
+              f"warm {eng['first_token_warm_s']:.3f} s, decode {eng['decode_tok_s']:.1f} tok/s "
+              f"(first steps {eng['first_decode_steps_s']}), weights {eng['weight_mb']:.0f} MB, KV {eng['kv_mb']:.0f} MB, "
+              f"repeatable {eng['deterministic']}")
+    if "llama" not in skip:
+        ll = bench_llama_cpp(a.model, prompt, a.tokens, a.threads)
+        if ll is None:
+            print("llama.cpp       : llama-cpp-python not installed")
+        else:
+            print(f"llama.cpp {ll['version']}: first token {ll['first_token_s']:.3f} s, decode {ll['decode_tok_s']:.1f} tok/s")
+            if eng is not None:
+                same = next((i for i, (x, y) in enumerate(zip(eng["tokens"], ll["tokens"])) if x != y), len(ll["tokens"]))
+                print(f"greedy agreement: first {same} of {len(ll['tokens'])} tokens identical")
+    if "memory" not in skip:
+        cuts = [int(x) for x in a.splits.split(",")]
+        for s, e in zip(cuts, cuts[1:]):
+            out = subprocess.run([sys.executable, __file__, "--model", str(a.model), "--weights", a.weights,
+                                  "--ctx", str(a.ctx), "--child", str(s), str(e)], capture_output=True, text=True)
+            if out.returncode:
+                print(f"stage [{s},{e}): failed\n{out.stderr[-2000:]}")
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"stage [{s:2d},{e:2d}): load {r['load_s']:.2f} s, weights {r['weight_mb']:.0f} MB + KV {r['kv_mb']:.0f} MB, "
+                  f"RSS {r['base_rss_mb']:.0f} MB before load, peak {r['peak_rss_mb']:.0f} MB, "
+                  f"growth / (weights + KV) = {r['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
