@@ -28,7 +28,8 @@ from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
 from mesh.registry import Member, Registry
 
 log = logging.getLogger("mesh.coord")
-RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
+RPC_SECONDS = 600.0
+RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s          # a load may read gigabytes; a ship is bounded separately by its own progress
 
 
 @dataclass(frozen=True)
@@ -199,9 +200,14 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
         if sink or not fleet.cfg.auto_webrtc:
             raise HopError(f"hop {k + 1} ({m.name} -> {'sink' if sink else addr}): {direct_error}")
     nxt = fleet.members[k + 1]
-    from signaling import open_rtc_hop
+    from signaling import HopProgress, open_rtc_hop
+    progress = HopProgress()
     try:
-        await open_rtc_hop(m.link, nxt.link, sink=False)
+        with trio.fail_after(RTC_SECONDS):
+            await open_rtc_hop(m.link, nxt.link, sink=False, hop=f"hop {k + 1}", progress=progress)
+    except trio.TooSlowError:
+        raise HopError(f"hop {k + 1} ({m.name} -> {nxt.name}): direct dial: {direct_error}; "
+                       f"webrtc: timed out after {RTC_SECONDS:.0f}s during {progress.step}") from None
     except Exception as exc:
         raise HopError(f"hop {k + 1} ({m.name} -> {nxt.name}): direct dial: {direct_error}; webrtc: {exc}") from None
     log.info("hop %d (%s -> %s) runs over WebRTC", k + 1, m.name, nxt.name)

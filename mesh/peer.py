@@ -76,6 +76,7 @@ class Peer:
         self.report = DonorReport()
         self.listen_port = 0
         self.rtc = None                     # signaling.RtcEndpoint, created on the first Signal
+        self.nursery = None                 # the peer's lifetime nursery: inbound lanes, the WebRTC endpoint
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -88,6 +89,7 @@ class Peer:
                     raise SystemExit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
                 await self._load(self.cfg.model, *self.cfg.layers)
             async with trio.open_nursery() as nursery:
+                self.nursery = nursery
                 self.listen_port = await nursery.start(transport.serve_listener, host or "0.0.0.0", int(port or 0),
                                                        self._serve_inbound)
                 log.info("listening for peer hops on port %d", self.listen_port)
@@ -276,10 +278,12 @@ class Peer:
         log.info("forwarding to %s %s", "sink" if ev.sink else "peer", addr)
         await link.send(proto.Ack(proto.MsgType.CHAIN, 0, addr))
 
-    async def _hop(self, addr: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Own one outbound hop for the rest of the session: dial, authenticate, hand the link over, keep it open."""
+    async def _hop(self, connect, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own one outbound hop for the rest of the session: connect, authenticate, hand the link over, keep it open.
+
+        `connect` is an address to dial or an already open stream (a WebRTC data channel)."""
         with trio.fail_after(HANDSHAKE_SECONDS) as handshake:   # a silently dropped address must not hang set-up
-            stream = await transport.dial(addr)
+            stream = await transport.dial(connect) if isinstance(connect, str) else connect
             async with open_link(stream, token=self.cfg.token, role="client") as hop:
                 handshake.deadline = math.inf
                 task_status.started(hop)

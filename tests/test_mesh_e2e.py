@@ -6,7 +6,7 @@ checks the result bitwise. The tiny chat model loads in well under a second; mos
 from __future__ import annotations
 
 import subprocess
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,7 +47,10 @@ def peer(start, port: int, *args: str, token: str | None = None, model: Path | N
         cmd += ["--token", token]
     if model:
         cmd += ["--model", str(model)]
-    return start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if capture else subprocess.DEVNULL)
+    # Logs go to a file, not a pipe nobody reads (a full pipe would stall the peer); kept for a failing test's report.
+    log = subprocess.PIPE if capture else tempfile.NamedTemporaryFile("w+b", prefix="mesh-peer-", suffix=".log",
+                                                                        delete=False)
+    return start(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def coord_args(*extra: str, token: str | None = None, peers: int = 3) -> list[str]:
