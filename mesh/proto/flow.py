@@ -1,8 +1,10 @@
 """Credit-based flow control and liveness arithmetic, with time passed in (`now`) rather than read.
 
-Credit is counted in bytes of flow-controlled frames, each costing `frame_cost(size)`. Ping, Pong, WindowUpdate,
-Error and Shutdown, and the handshake, are not flow-controlled: the link answers or acts on them in the reader
-without queueing them, so they cannot make a receiver buffer.
+Credit is counted in bytes of flow-controlled frames, each costing `frame_cost(size)`. Ping, Pong, WindowUpdate and
+Shutdown, and the handshake, are not flow-controlled: the link answers or acts on them in the reader without queueing
+them, so they cannot make a receiver buffer. Error IS flow-controlled: it is queued in order with the replies it
+stands in for, so it must count against the queue's bound; a sender's very last Error before it closes may go out
+without credit, and a receiver keeps that one and stops reading.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ objects weigh far more than an 8-byte empty frame)."""
 
 UNCONTROLLED = frozenset({
     MsgType.HELLO, MsgType.WELCOME, MsgType.AUTH_PROOF, MsgType.AUTH_OK,
-    MsgType.PING, MsgType.PONG, MsgType.WINDOW_UPDATE, MsgType.ERROR, MsgType.SHUTDOWN,
+    MsgType.PING, MsgType.PONG, MsgType.WINDOW_UPDATE, MsgType.SHUTDOWN,
 })
 
 

@@ -1,0 +1,354 @@
+"""A framed, authenticated, flow-controlled, heart-beating connection over any `trio.abc.Stream`.
+
+`open_link(stream, token=..., role=...)` runs the handshake (the caller bounds it with `trio.fail_after`), then
+keeps three tasks in its own nursery for as long as the link lives:
+
+- the reader decodes frames, answers Ping, applies WindowUpdate and queues every other event. It never writes to the
+  stream itself (it only flags a Pong or a WindowUpdate as owed), so a peer that is slow to read can never stop us
+  reading, and two links that both fill their pipes cannot deadlock on each other's heartbeats;
+- the control task writes what is owed: Pongs, WindowUpdates, and a Ping every `ping_interval`;
+- the watchdog declares the peer dead when nothing at all arrived for `dead_after` and closes the stream, which also
+  wakes any send stuck on a peer that stopped reading.
+
+Failures never cancel the caller: they are recorded, and the next `send()`/`receive()` raises them. Events already
+queued are still delivered first. Frames are written whole: a cancelled `send()` gives up only before its first
+byte went out, because a half-written frame would desynchronize the peer for good.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Literal
+
+import trio
+
+from mesh import proto
+from mesh.proto import flow_controlled, frame_cost
+
+DEFAULT_WINDOW = 8 * 1024 * 1024
+RECEIVE_SIZE = 256 * 1024
+CLOSE_GRACE = 1.0
+"""How long a closing link waits to get its final Error or Shutdown frame out before it closes the stream anyway."""
+
+
+class LinkError(Exception):
+    """Base of every error a Link raises."""
+
+
+class LinkClosed(LinkError):
+    """The link ended: clean EOF, a Shutdown from either side, or the connection was lost."""
+
+
+class LinkDead(LinkError):
+    """The peer sent nothing, not even a Pong, for `dead_after` seconds."""
+
+
+class _Coded(LinkError):
+    def __init__(self, code: proto.ErrorCode, reason: str) -> None:
+        super().__init__(f"{code.name}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class RemoteError(_Coded):
+    """The peer sent an Error message. The link stays open unless the peer closes it (then LinkClosed follows)."""
+
+
+class AuthFailed(_Coded):
+    """The handshake failed: wrong or missing fleet token on either side, no common version, or a refusal."""
+
+
+class ProtocolViolation(_Coded):
+    """The peer's bytes broke the protocol; we sent it Error(code, reason) and closed this link."""
+
+
+Role = Literal["client", "server"]
+
+
+class Link:
+    """One authenticated connection. Use through `open_link`."""
+
+    def __init__(self, stream: trio.abc.Stream, *, role: Role, window: int, max_frame: int, ping_interval: float,
+                 dead_after: float) -> None:
+        if role not in ("client", "server"):
+            raise ValueError(f"role must be 'client' or 'server', got {role!r}")
+        self.stream = stream
+        self.role = role
+        self.peer_version: int | None = None
+        self._codec = proto.Codec(max_frame=max_frame)
+        self._flow = proto.FlowWindow(window, max_frame)
+        self._ping_interval, self._dead_after = ping_interval, dead_after
+        self._liveness: proto.Liveness | None = None
+        self._send_lock = trio.StrictFIFOLock()
+        self._queue: deque[tuple[proto.Event, int]] = deque()
+        self._queue_lot = trio.lowlevel.ParkingLot()
+        self._credit_lot = trio.lowlevel.ParkingLot()
+        self._wake_control = trio.Event()
+        self._pong_owed: int | None = None
+        self._credit_owed = 0
+        self._failure: LinkError | None = None
+        self._final_frame: proto.Event | None = None
+        self._sent_shutdown = False
+        self._failed = trio.Event()
+        self._closed = trio.Event()
+
+    # ------------------------------------------------------------------------------------------------ public
+
+    @property
+    def rtt(self) -> float | None:
+        """Round-trip time of the latest answered heartbeat, in seconds."""
+        return self._liveness.rtt if self._liveness else None
+
+    async def send(self, event: proto.Event) -> None:
+        """Send one event, waiting for flow-control credit first. ValueError if the event cannot be encoded."""
+        self._raise_if_failed()
+        if self._sent_shutdown:
+            raise LinkClosed("this side already sent Shutdown")
+        data = self._codec.send(event)
+        if flow_controlled(event.TYPE):
+            while not self._flow.can_send():
+                await self._credit_lot.park()
+                self._raise_if_failed()
+            self._flow.on_sent(frame_cost(len(data)))
+        if isinstance(event, proto.Shutdown):
+            self._sent_shutdown = True
+        await self._write(data)
+
+    async def receive(self) -> proto.Event:
+        """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
+        clean end, LinkDead, ProtocolViolation."""
+        while not self._queue:
+            self._raise_if_failed()
+            await self._queue_lot.park()
+        event, cost = self._queue.popleft()
+        update = self._flow.on_consumed(cost)
+        if update is not None:
+            self._credit_owed += update.credit
+            self._wake_control.set()
+        if isinstance(event, proto.Error):
+            raise RemoteError(event.code, event.reason)
+        return event
+
+    async def aclose(self) -> None:
+        """Say Shutdown (if the link is still up) and close the stream. Idempotent."""
+        if self._failure is None:
+            self._fail(LinkClosed("link closed by this side"), final=None if self._sent_shutdown else proto.Shutdown())
+        self._queue.clear()
+        await self._closed.wait()  # the background task sends the final frame and closes the stream
+
+    # ------------------------------------------------------------------------------------------------ internals
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+
+    def _fail(self, exc: LinkError, final: proto.Event | None = None) -> None:
+        """Record the first failure, wake everyone waiting, and stop the background tasks (which then close)."""
+        if self._failure is not None:
+            return
+        self._failure = exc
+        self._final_frame = final
+        self._queue_lot.unpark_all()
+        self._credit_lot.unpark_all()
+        self._failed.set()
+
+    async def _write(self, data: bytes) -> None:
+        async with self._send_lock:
+            self._raise_if_failed()
+            try:
+                # Shielded: a frame goes out whole or not at all, because a torn frame desynchronizes the peer for
+                # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
+                # background task does on any failure (the watchdog's LinkDead included) and on close.
+                with trio.CancelScope(shield=True):
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._fail(LinkClosed(f"connection lost while sending: {exc or type(exc).__name__}"))
+                raise self._failure.with_traceback(None) from exc  # type: ignore[union-attr]
+
+    # ---- handshake
+
+    async def _handshake(self, token: bytes | None) -> None:
+        nonce = secrets.token_bytes(proto.NONCE_SIZE)
+        machine: proto.ClientHandshake | proto.ServerHandshake
+        if self.role == "client":
+            machine = proto.ClientHandshake(token, nonce)
+            await self._write_raw([machine.start()])
+        else:
+            machine = proto.ServerHandshake(token, nonce)
+        try:
+            while not machine.done:
+                event = await self._next_handshake_event()
+                if isinstance(event, proto.Error):
+                    raise AuthFailed(event.code, f"the peer refused the handshake: {event.reason}")
+                replies = machine.receive(event)
+                if machine.done:
+                    self._liveness = proto.Liveness(trio.current_time(), ping_interval=self._ping_interval,
+                                                    dead_after=self._dead_after)
+                    replies.append(self._flow.initial_update())
+                if replies:
+                    await self._write_raw(replies)
+        except proto.AuthError as exc:
+            await self._send_final(proto.Error(exc.code, exc.reason))
+            raise AuthFailed(exc.code, exc.reason) from None
+        except proto.ProtocolError as exc:
+            await self._send_final(proto.Error(exc.code, exc.reason))
+            raise ProtocolViolation(exc.code, exc.reason) from None
+        self.peer_version = machine.version
+
+    async def _next_handshake_event(self) -> proto.Event:
+        while True:
+            event = self._codec.next_event()
+            if event is proto.EOF:
+                raise LinkClosed("the peer closed the connection during the handshake")
+            if event is not proto.NEED_DATA:
+                return event  # type: ignore[return-value]
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except trio.BrokenResourceError as exc:
+                raise LinkClosed(f"connection lost during the handshake: {exc}") from exc
+            self._codec.receive_data(data)
+
+    async def _write_raw(self, events: list[proto.Event]) -> None:
+        try:
+            await self.stream.send_all(b"".join(self._codec.send(e) for e in events))
+        except trio.BrokenResourceError as exc:
+            raise LinkClosed(f"connection lost during the handshake: {exc}") from exc
+
+    async def _send_final(self, event: proto.Event) -> None:
+        """Best effort, bounded: tell the peer why we are closing."""
+        with trio.move_on_after(CLOSE_GRACE) as scope:
+            scope.shield = True
+            try:
+                async with self._send_lock:
+                    await self.stream.send_all(self._codec.send(event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    # ---- background
+
+    async def _background(self) -> None:
+        async with trio.open_nursery() as workers:
+            workers.start_soon(self._reader)
+            workers.start_soon(self._control)
+            workers.start_soon(self._watchdog)
+            try:
+                await self._failed.wait()
+            finally:
+                # Runs on a failure, on aclose(), and when the caller's scope is cancelled. The stream is closed
+                # before the workers are cancelled: that is what wakes a shielded write stuck on a silent peer.
+                with trio.CancelScope(shield=True):
+                    if self._failure is None:
+                        self._fail(LinkClosed("link closed by this side"), final=proto.Shutdown())
+                    if self._final_frame is not None:
+                        await self._send_final(self._final_frame)
+                    await trio.aclose_forcefully(self.stream)
+                    self._closed.set()
+                workers.cancel_scope.cancel()
+
+    async def _reader(self) -> None:
+        try:
+            while self._drain():
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+                self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
+                self._codec.receive_data(data)
+        except proto.ProtocolError as exc:
+            self._fail(ProtocolViolation(exc.code, exc.reason), final=proto.Error(exc.code, exc.reason))
+        except trio.BrokenResourceError as exc:
+            self._fail(LinkClosed(f"connection lost: {exc or type(exc).__name__}"))
+        except trio.ClosedResourceError:
+            self._fail(LinkClosed("link closed by this side"))
+
+    def _drain(self) -> bool:
+        """Handle every buffered event; False once the link has ended."""
+        while True:
+            event = self._codec.next_event()
+            if event is proto.NEED_DATA:
+                return True
+            if event is proto.EOF:
+                self._fail(LinkClosed("the peer closed the connection"))
+                return False
+            if isinstance(event, proto.Ping):
+                self._pong_owed = event.nonce
+                self._wake_control.set()
+            elif isinstance(event, proto.Pong):
+                self._liveness.on_pong(event.nonce, trio.current_time())  # type: ignore[union-attr]
+            elif isinstance(event, proto.WindowUpdate):
+                self._flow.on_window_update(event)
+                self._credit_lot.unpark_all()
+            elif isinstance(event, proto.Shutdown):
+                self._fail(LinkClosed("the peer shut the link down"))
+                return False
+            elif not flow_controlled(event.TYPE):
+                raise proto.ProtocolError(proto.ErrorCode.UNEXPECTED,
+                                          f"{type(event).__name__} after the handshake is complete")
+            else:
+                cost = frame_cost(self._codec.last_size)
+                try:
+                    self._flow.on_received(cost)
+                except proto.ProtocolError:
+                    if not isinstance(event, proto.Error):
+                        raise
+                    # A peer may send its last word beyond its credit: it closes right after. Keep it, stop reading.
+                    self._queue.append((event, 0))
+                    self._fail(LinkClosed("the peer closed the link after an error"))
+                    return False
+                self._queue.append((event, cost))
+                self._queue_lot.unpark()
+
+    async def _control(self) -> None:
+        liveness = self._liveness
+        assert liveness is not None
+        while True:
+            self._wake_control = trio.Event()
+            owed: list[proto.Event] = []
+            if self._pong_owed is not None:
+                owed.append(proto.Pong(self._pong_owed))
+                self._pong_owed = None
+            if self._credit_owed:
+                owed.append(proto.WindowUpdate(self._credit_owed))
+                self._credit_owed = 0
+            ping = liveness.ping_due(trio.current_time())
+            if ping is not None:
+                owed.append(ping)
+            if owed:
+                try:
+                    await self._write(b"".join(self._codec.send(e) for e in owed))
+                except LinkError:
+                    return
+            with trio.move_on_at(liveness.next_ping_at):
+                await self._wake_control.wait()
+
+    async def _watchdog(self) -> None:
+        liveness = self._liveness
+        assert liveness is not None
+        while not liveness.is_dead(trio.current_time()):
+            await trio.sleep_until(liveness.dead_at())
+        self._fail(LinkDead(f"nothing received from the peer for {self._dead_after:g}s"))
+
+
+@asynccontextmanager
+async def open_link(stream: trio.abc.Stream, *, token: bytes | None, role: Role, window: int = DEFAULT_WINDOW,
+                    max_frame: int = proto.MAX_FRAME, ping_interval: float = 1.0,
+                    dead_after: float = 5.0) -> AsyncIterator[Link]:
+    """Handshake on `stream`, then yield a running Link; on exit say Shutdown and close the stream.
+
+    Raises AuthFailed, ProtocolViolation or LinkClosed if the handshake fails (the stream is closed then too).
+    `window` is how many bytes of flow-controlled frames this side is willing to buffer from the peer.
+    """
+    if not 0 < ping_interval < dead_after or not math.isfinite(dead_after):
+        raise ValueError(f"need 0 < ping_interval ({ping_interval}) < dead_after ({dead_after}) < inf")
+    link = Link(stream, role=role, window=window, max_frame=max_frame, ping_interval=ping_interval,
+                dead_after=dead_after)
+    try:
+        await link._handshake(token)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link._background)
+        try:
+            yield link
+        finally:
+            await link.aclose()

@@ -1,0 +1,278 @@
+"""mesh.link over in-memory streams: handshake, auth failures, heartbeats, flow control, bad peers. No sleeps:
+virtual time (autojump_clock) where time matters."""
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+import mesh.proto as p
+from mesh.link import AuthFailed, LinkClosed, LinkDead, ProtocolViolation, RemoteError, open_link
+from mesh.proto.codec import HEADER
+
+TOKEN = b"fleet-token-for-tests-0123456789"
+
+
+@asynccontextmanager
+async def link_pair(client_token=TOKEN, server_token=TOKEN, **kw):
+    """(client link, server link) over one memory stream pair."""
+    left, right = trio.testing.memory_stream_pair()
+    got = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        async def server() -> None:
+            async with open_link(right, token=server_token, role="server", **kw) as link:
+                await got[0].send(link)
+                await trio.sleep_forever()
+
+        nursery.start_soon(server)
+        async with open_link(left, token=client_token, role="client", **kw) as client:
+            yield client, await got[1].receive()
+        nursery.cancel_scope.cancel()
+
+
+class Raw:
+    """A hand-driven peer: a Codec on the bare stream, for peers that misbehave on purpose."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.codec = p.Codec()
+
+    async def send(self, *events) -> None:
+        await self.stream.send_all(b"".join(self.codec.send(e) for e in events))
+
+    async def receive(self):
+        while (ev := self.codec.next_event()) is p.NEED_DATA:
+            self.codec.receive_data(await self.stream.receive_some(65536))
+        return ev
+
+    async def handshake_as_server(self, token=TOKEN):
+        hs = p.ServerHandshake(token, secrets.token_bytes(32))
+        while not hs.done:
+            replies = hs.receive(await self.receive())
+            await self.send(*replies, *([p.WindowUpdate(1 << 20)] if hs.done else []))
+        await self.receive_until(p.WindowUpdate)  # the client's grant ends its handshake
+
+    async def receive_until(self, cls):
+        while not isinstance(ev := await self.receive(), cls):
+            assert ev is not p.EOF, f"EOF before {cls.__name__}"
+        return ev
+
+
+async def test_events_both_ways_and_clean_close():
+    async with link_pair() as (client, server):
+        assert client.peer_version == server.peer_version == 1
+        act = p.Activation("f32", (1, 2), b"\x00\x00\x80\x3f\x00\x00\x00\xc0")
+        await client.send(p.Step(1, 0, 5, (), act))
+        assert await server.receive() == p.Step(1, 0, 5, (), act)
+        await server.send(p.Tokens(1, (42,)))
+        assert await client.receive() == p.Tokens(1, (42,))
+        await client.aclose()
+        with pytest.raises(LinkClosed, match="shut the link down"):
+            await server.receive()
+        with pytest.raises(LinkClosed):
+            await client.send(p.Reset())
+
+
+async def test_open_fleet_without_tokens():
+    async with link_pair(None, None) as (client, server):
+        await server.send(p.InfoRequest())
+        assert await client.receive() == p.InfoRequest()
+
+
+async def test_remote_error_is_raised_and_the_link_goes_on():
+    async with link_pair() as (client, server):
+        await server.send(p.Error(p.ErrorCode.BAD_REQUEST, "layer range 9..3 is empty"))
+        await server.send(p.Ack(p.MsgType.LOAD))
+        with pytest.raises(RemoteError, match="9..3 is empty") as exc:
+            await client.receive()
+        assert exc.value.code == p.ErrorCode.BAD_REQUEST
+        assert await client.receive() == p.Ack(p.MsgType.LOAD)
+
+
+async def _handshake_outcome(client_token, server_token):
+    left, right = trio.testing.memory_stream_pair()
+    outcome = {}
+
+    async def side(name, stream, token, role):
+        try:
+            async with open_link(stream, token=token, role=role):
+                outcome[name] = "ok"
+        except AuthFailed as exc:
+            outcome[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(side, "server", right, server_token, "server")
+        nursery.start_soon(side, "client", left, client_token, "client")
+    return outcome
+
+
+async def test_wrong_token_fails_on_both_sides():
+    out = await _handshake_outcome(b"not the fleet token", TOKEN)
+    assert out["client"].code == p.ErrorCode.AUTH_FAILED and "mismatch" in out["client"].reason
+    assert out["server"].code == p.ErrorCode.AUTH_FAILED and "refused" in out["server"].reason
+
+
+async def test_missing_token_on_the_client():
+    out = await _handshake_outcome(None, TOKEN)
+    assert out["server"].code == p.ErrorCode.AUTH_REQUIRED
+    assert "requires a fleet token" in out["client"].reason
+
+
+async def test_missing_token_on_the_server():
+    out = await _handshake_outcome(TOKEN, None)
+    assert "has none" in out["server"].reason and "has none" in out["client"].reason
+
+
+class Recorder(trio.abc.Stream):
+    """Passes through, remembering every byte sent."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.sent = inner, b""
+
+    async def send_all(self, data) -> None:
+        self.sent += bytes(data)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_recorded_handshake_replayed_on_a_new_connection_fails():
+    left, right = trio.testing.memory_stream_pair()
+    rec = Recorder(left)
+    async with trio.open_nursery() as nursery:
+        async def server():
+            async with open_link(right, token=TOKEN, role="server"):
+                pass
+        nursery.start_soon(server)
+        async with open_link(rec, token=TOKEN, role="client"):
+            pass
+    hello_and_proof = rec.sent[: rec.sent.index(bytes([1, p.MsgType.WINDOW_UPDATE]))]
+
+    left, right = trio.testing.memory_stream_pair()
+    await left.send_all(hello_and_proof)  # a memory stream buffers it all
+    with pytest.raises(AuthFailed, match="mismatch"):
+        async with open_link(right, token=TOKEN, role="server"):
+            pass
+    raw = Raw(left)
+    err = await raw.receive_until(p.Error)
+    assert err.code == p.ErrorCode.AUTH_FAILED and TOKEN not in hello_and_proof
+
+
+async def test_non_auth_first_message_on_a_tokened_fleet():
+    left, right = trio.testing.memory_stream_pair()
+    raw = Raw(left)
+    await raw.send(p.Step(0, 0, 0, (1, 2, 3)))
+    with pytest.raises(AuthFailed, match="first message must be Hello") as exc:
+        async with open_link(right, token=TOKEN, role="server"):
+            pass
+    assert exc.value.code == p.ErrorCode.AUTH_REQUIRED
+    err = await raw.receive()
+    assert err == p.Error(p.ErrorCode.AUTH_REQUIRED, "the first message must be Hello, got Step")
+    assert await raw.receive() is p.EOF
+
+
+async def test_websocket_bytes_get_an_error_not_a_crash():
+    left, right = trio.testing.memory_stream_pair()
+    await left.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(ProtocolViolation) as exc:
+        async with open_link(right, token=None, role="server"):
+            pass
+    assert exc.value.code == p.ErrorCode.UNSUPPORTED_VERSION
+
+
+async def test_heartbeats_keep_an_idle_link_alive(autojump_clock):
+    async with link_pair() as (client, server):
+        await trio.sleep(60)  # virtual: twelve times dead_after, with pings every second
+        await client.send(p.Reset())
+        assert await server.receive() == p.Reset()
+        assert client.rtt is not None and server.rtt is not None
+
+
+async def test_silent_peer_is_declared_dead(autojump_clock):
+    left, right = trio.testing.memory_stream_pair()
+    raw = Raw(right)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw.handshake_as_server)
+        async with open_link(left, token=TOKEN, role="client", ping_interval=1.0, dead_after=5.0) as link:
+            start = trio.current_time()
+            with pytest.raises(LinkDead, match="5s"):
+                await link.receive()  # the raw peer never answers a ping
+            assert 5.0 <= trio.current_time() - start < 5.5
+            with pytest.raises(LinkDead):
+                await link.send(p.Reset())
+
+
+async def test_dead_peer_unblocks_a_sender_stuck_on_a_full_pipe(autojump_clock):
+    left, right = trio.testing.lockstep_stream_pair()  # no buffering: a send blocks until the peer reads
+    raw = Raw(right)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw.handshake_as_server)
+        async with open_link(left, token=TOKEN, role="client") as link:
+            with pytest.raises(LinkDead):
+                await link.send(p.ShipChunk(0, bytes(1000)))
+
+
+async def test_slow_reader_blocks_the_writer_at_the_window(autojump_clock):
+    window, chunk = 64 * 1024, 1000
+    async with link_pair(window=window) as (client, server):
+        sent = 0
+
+        async def writer():
+            nonlocal sent
+            for i in range(200):
+                await client.send(p.ShipChunk(i * chunk, bytes(chunk)))
+                sent += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.sleep(10)  # virtual; the reader does not read
+            frame = len(p.Codec().send(p.ShipChunk(0, bytes(chunk))))
+            assert 0 < sent < 200
+            assert (sent - 1) * frame < window <= sent * frame  # stopped at the window, overshoot < one frame
+            assert server._flow.buffered() == sent * frame <= window + frame
+            got = [await server.receive() for _ in range(200)]
+        assert sent == 200 and [e.offset for e in got] == [i * chunk for i in range(200)]
+
+
+async def test_peer_overrunning_its_credit_is_cut_off():
+    left, right = trio.testing.memory_stream_pair()
+    raw = Raw(right)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw.handshake_as_server)
+        async with open_link(left, token=TOKEN, role="client", window=4096, max_frame=4096) as link:
+            await raw.send(*[p.ShipChunk(0, bytes(1000)) for _ in range(10)])  # granted 4096
+            for _ in range(8):  # what fits in window + one frame is delivered
+                await link.receive()
+            with pytest.raises(ProtocolViolation) as exc:
+                await link.receive()
+            assert exc.value.code == p.ErrorCode.FLOW_CONTROL
+    err = await raw.receive_until(p.Error)
+    assert err.code == p.ErrorCode.FLOW_CONTROL
+
+
+async def test_garbage_mid_link_closes_that_link_only():
+    async with link_pair() as (a_client, a_server), link_pair() as (b_client, b_server):
+        await a_client.stream.send_all(HEADER.pack(1, 250, 0, 0))  # unknown type, under the link's feet
+        with pytest.raises(ProtocolViolation, match="unknown message type 250"):
+            await a_server.receive()
+        with pytest.raises((RemoteError, LinkClosed)):
+            await a_client.receive()
+        await b_client.send(p.Reset())
+        assert await b_server.receive() == p.Reset()
+
+
+async def test_handshake_messages_after_the_handshake_are_refused():
+    async with link_pair() as (client, server):
+        await client.send(p.Hello(1, 1, bytes(32), False))
+        with pytest.raises(ProtocolViolation, match="Hello after the handshake"):
+            await server.receive()
