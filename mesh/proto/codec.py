@@ -45,7 +45,7 @@ class Codec:
     NEED_DATA before feeding more.
     """
 
-    __slots__ = ("max_frame", "version", "_buf", "_eof", "_error", "last_size")
+    __slots__ = ("max_frame", "version", "_buf", "_pending", "_pending_len", "_eof", "_error", "last_size")
 
     def __init__(self, *, max_frame: int = MAX_FRAME, version: int = PROTOCOL_VERSION) -> None:
         if max_frame < 0 or max_frame > 0xFFFFFFFF:
@@ -53,6 +53,10 @@ class Codec:
         self.max_frame = max_frame
         self.version = version
         self._buf = bytearray()
+        # Chunks of a large frame's payload are kept aside and joined once when the frame is complete, rather than
+        # grown into the buffer chunk by chunk (each growth can copy the whole buffer).
+        self._pending: list[bytes] = []
+        self._pending_len = 0
         self._eof = False
         self._error: ProtocolError | None = None
         self.last_size = 0
@@ -69,12 +73,26 @@ class Codec:
             return
         if self._eof:
             raise RuntimeError("receive_data after EOF")
-        self._buf += data
-        self._check_header()
+        if len(self._buf) < HEADER_SIZE:
+            self._buf += data
+            self._check_header()
+            return
+        need = HEADER_SIZE + HEADER.unpack_from(self._buf)[3]  # validated when the header completed
+        if len(self._buf) >= need:
+            self._buf += data
+            return
+        self._pending.append(data)
+        self._pending_len += len(data)
+        if len(self._buf) + self._pending_len >= need:
+            self._buf = bytearray().join([self._buf, *self._pending])
+            self._pending.clear()
+            self._pending_len = 0
 
     def _fail(self, code: ErrorCode, reason: str) -> ProtocolError:
         self._error = ProtocolError(code, reason)
         self._buf = bytearray()  # let go of whatever the peer sent us
+        self._pending.clear()
+        self._pending_len = 0
         return self._error
 
     def _check_header(self) -> tuple[int, int] | None:
@@ -106,7 +124,7 @@ class Codec:
                 return EOF_
             want = HEADER_SIZE + header[1] if header else HEADER_SIZE
             raise self._fail(ErrorCode.TRUNCATED,
-                             f"connection closed mid-frame ({len(self._buf)} of {want} bytes)")
+                             f"connection closed mid-frame ({self.buffered()} of {want} bytes)")
         type_byte, length = header
         end = HEADER_SIZE + length
         with memoryview(self._buf) as view:
@@ -120,7 +138,7 @@ class Codec:
 
     def buffered(self) -> int:
         """Bytes received and not yet returned as events."""
-        return len(self._buf)
+        return len(self._buf) + self._pending_len
 
     # ------------------------------------------------------------------ sending
 

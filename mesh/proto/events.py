@@ -168,6 +168,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in [0, 1], got {self.top_p}")
 
 
+_COUNT = struct.Struct("<I")
+
+
 class _ActivationField(wire.Field):
     __slots__ = ()
     label = "activation"
@@ -179,16 +182,16 @@ class _ActivationField(wire.Field):
         out.append(value.data)
 
     def get(self, r: Reader, field: str) -> Activation:
-        code, ndim = r.unpack(self.head, field + " header")
+        code, ndim = r.unpack(self.head, field, "header")
         if code not in _DTYPE_BY_CODE:
             raise r.fail(f"{field} has unknown dtype code {code}")
         if ndim > MAX_NDIM:
             raise r.fail(f"{field} has {ndim} dimensions, at most {MAX_NDIM} allowed")
-        shape = struct.unpack(f"<{ndim}I", r.take(4 * ndim, field + " shape"))
+        shape = struct.unpack(f"<{ndim}I", r.take(4 * ndim, field, "shape"))
         dtype = _DTYPE_BY_CODE[code]
         # The size is implied by dtype and shape and checked against the payload before any copy.
         n = math.prod(shape) * DTYPES[dtype][1]
-        return Activation(dtype, shape, bytes(r.take(n, f"{field} data ({dtype}{list(shape)})")))
+        return Activation(dtype, shape, bytes(r.take(n, field, "data")))
 
 
 class _SamplingField(wire.Field):
@@ -213,8 +216,8 @@ class _ColumnsField(wire.Field):
         out.extend(self.rec.pack(c.pos, c.slot, 1 if c.needs_logits else 0, c.token) for c in cols)
 
     def get(self, r: Reader, field: str) -> tuple[Column, ...]:
-        (n,) = r.unpack(struct.Struct("<I"), field + " count")
-        raw = r.take(n * self.rec.size, f"{field} ({n} columns)")
+        (n,) = r.unpack(_COUNT, field, "count")
+        raw = r.take(n * self.rec.size, field, "columns")
         out = []
         for pos, slot, flag, token in self.rec.iter_unpack(raw):
             if flag > 1:
@@ -234,9 +237,9 @@ class _VocabField(wire.Field):
         out.append(b"".join(tokens))
 
     def get(self, r: Reader, field: str) -> tuple[bytes, ...]:
-        (n,) = r.unpack(struct.Struct("<I"), field + " count")
-        lengths = struct.unpack(f"<{n}H", r.take(2 * n, f"{field} lengths ({n} tokens)"))
-        blob = r.take(sum(lengths), field + " token bytes")
+        (n,) = r.unpack(_COUNT, field, "count")
+        lengths = struct.unpack(f"<{n}H", r.take(2 * n, field, "lengths"))
+        blob = r.take(sum(lengths), field, "token bytes")
         out, at = [], 0
         for length in lengths:
             out.append(bytes(blob[at:at + length]))

@@ -29,18 +29,20 @@ class Reader:
     def remaining(self) -> int:
         return len(self.view) - self.pos
 
-    def need(self, n: int, field: str) -> None:
-        if n > self.remaining():
-            raise self.fail(f"{field} needs {n} bytes at offset {self.pos}, payload has {self.remaining()} left")
+    def need(self, n: int, field: str, part: str = "") -> None:
+        # Names are formatted only on failure: this runs several times per frame on the decode path.
+        if self.pos + n > len(self.view):
+            name = f"{field} {part}" if part else field
+            raise self.fail(f"{name} needs {n} bytes at offset {self.pos}, payload has {self.remaining()} left")
 
-    def take(self, n: int, field: str) -> memoryview:
-        self.need(n, field)
+    def take(self, n: int, field: str, part: str = "") -> memoryview:
+        self.need(n, field, part)
         start = self.pos
         self.pos += n
         return self.view[start:self.pos]
 
-    def unpack(self, st: struct.Struct, field: str) -> tuple:
-        self.need(st.size, field)
+    def unpack(self, st: struct.Struct, field: str, part: str = "") -> tuple:
+        self.need(st.size, field, part)
         values = st.unpack_from(self.view, self.pos)
         self.pos += st.size
         return values
@@ -138,7 +140,7 @@ class Bytes(Field):
         out.append(value)
 
     def get(self, r: Reader, field: str) -> bytes:
-        (n,) = r.unpack(_LEN, field + " length")
+        (n,) = r.unpack(_LEN, field, "length")
         return bytes(r.take(n, field))
 
 
@@ -154,7 +156,7 @@ class Str(Field):
         out.append(raw)
 
     def get(self, r: Reader, field: str) -> str:
-        (n,) = r.unpack(_LEN, field + " length")
+        (n,) = r.unpack(_LEN, field, "length")
         raw = r.take(n, field)
         try:
             return str(raw, "utf-8")
@@ -182,9 +184,9 @@ class Array(Field):
             out.append(struct.pack("<" + self.fmt * n, *(x for rec in value for x in rec)))
 
     def get(self, r: Reader, field: str) -> tuple:
-        (n,) = r.unpack(_LEN, field + " count")
+        (n,) = r.unpack(_LEN, field, "count")
         # The count is checked against the bytes actually present before any tuple is built.
-        raw = r.take(n * self.size, f"{field} ({n} x {self.label})")
+        raw = r.take(n * self.size, field, self.label)
         if self.width == 1:
             return struct.unpack(f"<{n}{self.fmt}", raw)
         return tuple(struct.iter_unpack("<" + self.fmt, raw))
@@ -205,7 +207,7 @@ class Optional(Field):
             self.inner.put(out, value)
 
     def get(self, r: Reader, field: str) -> Any:
-        flag = r.take(1, field + " presence")[0]
+        flag = r.take(1, field, "presence")[0]
         if flag == 0:
             return None
         if flag != 1:

@@ -1,0 +1,80 @@
+"""Codec and Link costs: frame encode+decode per decode-step message, a Step->Tokens round trip and bulk throughput
+over loopback TCP through the Link (auth, credit window, heartbeats), against raw trio TCP for the same bytes.
+
+    .venv/bin/python bench/link_bench.py
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import trio
+
+from mesh import proto
+from mesh.link import open_link
+
+TOKEN = b"bench-fleet-token"
+STEP = proto.Step(0, 0, 7, (), proto.Activation("f16", (1, 576), bytes(1152)))
+
+
+def codec_cost(n: int = 20000) -> float:
+    codec = proto.Codec()
+    t = time.perf_counter()
+    for _ in range(n):
+        codec.receive_data(codec.send(STEP))
+        codec.next_event()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+async def link_figures(rounds: int = 2000, bulk_mb: int = 256) -> dict:
+    chunk = proto.ShipChunk(0, bytes(1 << 20))
+    out = {}
+
+    async def handler(stream):
+        async with open_link(stream, token=TOKEN, role="server") as link:
+            while True:
+                ev = await link.receive()
+                if isinstance(ev, proto.Step):
+                    await link.send(proto.Tokens(ev.group, (1,)))
+                elif isinstance(ev, proto.ShipEnd):
+                    await link.send(proto.Ack(proto.MsgType.SHIP_END))
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        async with open_link(await trio.open_tcp_stream("127.0.0.1", port), token=TOKEN, role="client") as link:
+            t = time.perf_counter()
+            for _ in range(rounds):
+                await link.send(STEP)
+                await link.receive()
+            out["step_rtt_us"] = (time.perf_counter() - t) / rounds * 1e6
+            t = time.perf_counter()
+            for _ in range(bulk_mb):
+                await link.send(chunk)
+            await link.send(proto.ShipEnd(bytes(32)))
+            await link.receive()
+            out["link_MBps"] = bulk_mb / (time.perf_counter() - t)
+        nursery.cancel_scope.cancel()
+
+    async def sink(stream):
+        while await stream.receive_some(1 << 20):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, sink, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        data = bytes(1 << 20)
+        t = time.perf_counter()
+        for _ in range(bulk_mb):
+            await stream.send_all(data)
+        await stream.aclose()
+        out["raw_tcp_MBps"] = bulk_mb / (time.perf_counter() - t)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+if __name__ == "__main__":
+    print(f"codec encode+decode Step(f16 1x576): {codec_cost():.1f} us/frame")
+    for k, v in trio.run(link_figures).items():
+        print(f"{k}: {v:.1f}")
