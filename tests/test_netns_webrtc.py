@@ -2,7 +2,7 @@
 through SDP relayed by a coordinator process on the public segment, and echo a few MB byte-exact over it.
 
 The same file is the program those three processes run (`python -m tests.test_netns_webrtc relay|peer ...`): the
-relay speaks our framed protocol events (mesh.proto) over plain TCP control links, like the coordinator does.
+relay and the peers talk over authenticated `mesh.link` Links on TCP, like the coordinator and its peers do.
 """
 
 from __future__ import annotations
@@ -70,26 +70,13 @@ async def test_data_channel_crosses_two_nats_through_relayed_sdp(nat: str) -> No
 # --------------------------------------------------------------------------------------------------------------
 # The processes. Each prints one JSON line on success and exits non-zero (with a traceback) otherwise.
 
-class CodecLink:
-    """Our protocol events over a byte stream: the minimum of a control link that the relay needs."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        from mesh.proto import Codec
-        self.stream, self.codec = stream, Codec()
-
-    async def send(self, event: object) -> None:
-        await self.stream.send_all(self.codec.send(event))  # type: ignore[arg-type]
-
-    async def receive(self) -> object:
-        from mesh.proto import EOF, NEED_DATA
-        while (event := self.codec.next_event()) is NEED_DATA:
-            self.codec.receive_data(await self.stream.receive_some(65536))
-        if event is EOF:
-            raise trio.EndOfChannel("the control link closed")
-        return event
+TOKEN = b"netns-fleet-token"
 
 
 async def relay_main() -> None:
+    from contextlib import AsyncExitStack
+
+    from mesh.link import open_link
     from signaling import open_rtc_hop
     accepted: dict[int, trio.SocketStream] = {}
     async with trio.open_nursery() as nursery:
@@ -101,16 +88,17 @@ async def relay_main() -> None:
                 await listeners[0].aclose()
 
             nursery.start_soon(accept_one)
-    offerer, answerer = CodecLink(accepted[OFFERER_PORT]), CodecLink(accepted[ANSWERER_PORT])
-    with trio.fail_after(60):
-        await open_rtc_hop(offerer, answerer, hop="hop 1 (peer_a -> peer_b)")
-    for stream in accepted.values():
-        await stream.aclose()
+    with trio.fail_after(60):  # handshakes and the whole hop; a scope around the entries alone cannot hold nurseries
+        async with AsyncExitStack() as stack:
+            offerer = await stack.enter_async_context(open_link(accepted[OFFERER_PORT], token=TOKEN, role="server"))
+            answerer = await stack.enter_async_context(open_link(accepted[ANSWERER_PORT], token=TOKEN, role="server"))
+            await open_rtc_hop(offerer, answerer, hop="hop 1 (peer_a -> peer_b)")
     print(json.dumps({"relayed": True}), flush=True)
 
 
 async def peer_main(role: str, coord: str, ice_args: argparse.Namespace) -> None:
     from mesh import proto
+    from mesh.link import open_link
     from signaling import IceConfig, Side, answer_signal, open_rtc_endpoint
     ice = IceConfig.from_flags(ice_args.stun, ice_args.turn, ice_args.turn_user, ice_args.turn_pass)
     side = Side.OFFERER if role == "offerer" else Side.ANSWERER
@@ -119,21 +107,21 @@ async def peer_main(role: str, coord: str, ice_args: argparse.Namespace) -> None
         if side is Side.ANSWERER:  # something for the offerer's direct dial to (fail to) reach
             probe = await trio.open_tcp_listeners(PROBE_PORT, host=PEER_B_IP)
             nursery.start_soon(trio.serve_listeners, lambda s: s.aclose(), probe)
-        link = CodecLink(await trio.open_tcp_stream(host, int(port)))
         local_sdp = ""
         t0 = time.perf_counter()
-        while True:  # the peer's control loop, cut down to the WebRTC ops
-            event = await link.receive()
-            if isinstance(event, proto.Signal):
-                with trio.fail_after(30):
-                    reply = await answer_signal(endpoint, event)
-                local_sdp = getattr(reply, "sdp", "") or local_sdp
-                await link.send(reply)
-            elif isinstance(event, (proto.RtcServe, proto.RtcChain)):
-                with trio.fail_after(30):
-                    stream = await endpoint.open_stream(side)
-                await link.send(proto.Ack(event.TYPE))
-                break
+        async with open_link(await trio.open_tcp_stream(host, int(port)), token=TOKEN, role="client") as link:
+            while True:  # the peer's control loop, cut down to the WebRTC ops
+                event = await link.receive()
+                if isinstance(event, proto.Signal):
+                    with trio.fail_after(30):
+                        reply = await answer_signal(endpoint, event)
+                    local_sdp = getattr(reply, "sdp", "") or local_sdp
+                    await link.send(reply)
+                elif isinstance(event, (proto.RtcServe, proto.RtcChain)):
+                    with trio.fail_after(30):
+                        stream = await endpoint.open_stream(side)
+                    await link.send(proto.Ack(event.TYPE))
+                    break
         opened = time.perf_counter() - t0
         if side is Side.ANSWERER:
             echoed = 0
