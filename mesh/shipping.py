@@ -27,12 +27,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
+import queue
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass
 from enum import IntEnum
@@ -65,6 +67,7 @@ __all__ = [
 
 log = logging.getLogger("mesh.shipping")
 ErrorCode = proto.ErrorCode
+READ_AHEAD = 4  # chunks the sender reads per trip to a worker thread
 _FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")  # one safe path component
 
 
@@ -181,6 +184,37 @@ def _fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- receiver
 
 
+class _BackgroundHash:
+    """A SHA-256 fed through a short queue to one helper thread.
+
+    hashlib releases the GIL on large buffers, so hashing chunk N overlaps writing chunk N+1 and the Link decoding
+    chunk N+2: the receiver then runs at the pace of its slowest stage instead of the sum of them (measured in
+    NOTES.md "Weight shipping").
+    """
+
+    def __init__(self, h: hashlib._Hash, depth: int = 4) -> None:
+        self._h = h
+        self._queue: queue.Queue[bytes | None] = queue.Queue(depth)
+        self._thread = threading.Thread(target=self._run, name="ship-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._h.update(data)
+
+    def update(self, data: bytes) -> None:
+        self._queue.put(data)
+
+    def digest(self) -> bytes:
+        self.stop()
+        return self._h.digest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 WriteFn = Callable[[int, memoryview], int]
 
 
@@ -204,6 +238,7 @@ class ShipReceiver:
         self._fd: int | None = None
         self._claim: Path | None = None
         self._hash = hashlib.sha256()
+        self._hasher: _BackgroundHash | None = None
         self._complete_already = False
 
     # The sans-IO entry point.
@@ -324,7 +359,9 @@ class ShipReceiver:
         except OSError as exc:
             why = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             raise ShipError(f"writing {self.part} at byte {self.pos}: {why}; the partial is kept") from None
-        self._hash.update(ev.data)
+        if self._hasher is None:
+            self._hasher = _BackgroundHash(self._hash)
+        self._hasher.update(ev.data)
         self.pos += len(ev.data)
 
     def end(self, ev: proto.ShipEnd) -> proto.Ack:
@@ -337,7 +374,7 @@ class ShipReceiver:
         if self.pos < b.total_bytes:
             return proto.Ack(proto.MsgType.SHIP_END, ShipAck.TRUNCATED,
                              f"{self._name()}: received {self.pos} of {b.total_bytes} bytes; the partial is kept")
-        digest = self._hash.digest()
+        digest = self._hasher.digest() if self._hasher is not None else self._hash.digest()
         if digest != b.sha256 or ev.sha256 != b.sha256:
             self._discard()
             return proto.Ack(proto.MsgType.SHIP_END, ShipAck.HASH_MISMATCH,
@@ -356,6 +393,8 @@ class ShipReceiver:
 
     def close(self) -> None:
         """Release the lock and the claim; the partial stays for a resume. Idempotent."""
+        if self._hasher is not None:
+            self._hasher.stop()
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops its flock
             self._fd = None
@@ -542,10 +581,12 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
                  else f"receiving {_mb(begin.total_bytes)} MB")
         while not rx.done:
             ev = await link.receive()
-            if isinstance(ev, (proto.ShipChunk, proto.ShipEnd)):
-                # Hashing and writing release the GIL: in a thread they overlap the Link reading the next chunk.
-                reply = await trio.to_thread.run_sync(rx.receive, ev)
+            if isinstance(ev, proto.ShipEnd):
+                reply = await trio.to_thread.run_sync(rx.receive, ev)  # waits for the hash, fsyncs, renames
             else:
+                # A chunk is written inline: a write into the page cache costs less than a trip to a thread, and
+                # even a throttled write to a slow card blocks for milliseconds, far inside the heartbeat
+                # timeout. Hashing runs on the receiver's own thread.
                 reply = rx.receive(ev)
             if reply is not None:
                 await link.send(reply)
@@ -627,6 +668,10 @@ async def _one_error():
         raise
 
 
+def _take(chunks: Iterator[bytes], n: int) -> list[bytes]:
+    return list(itertools.islice(chunks, n))
+
+
 async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str,
                      board: ProgressBoard) -> tuple[int, int, proto.Event]:
     await link.send(proto.ShipBegin(plan.fingerprint, plan.start, plan.end, plan.size, digest, plan.name))
@@ -654,17 +699,20 @@ async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str
                 nursery.start_soon(watch, sending)
                 with closing(plan.iter_chunks(offset, chunk)) as chunks:
                     while True:
+                        # Reads run in a thread (a cold disk must not stall the loop), a few chunks per trip so
+                        # the hand-off costs little; the Link's credit window bounds what is in flight.
                         try:
-                            data = await trio.to_thread.run_sync(next, chunks, None)
+                            batch = await trio.to_thread.run_sync(_take, chunks, READ_AHEAD)
                         except RangeGGUFError as exc:
                             source_error = exc
                             break
-                        if data is None:
+                        if not batch:
                             break
-                        await link.send(proto.ShipChunk(pos, data))
-                        pos += len(data)
-                        progress.update(pos, trio.current_time())
-                        board.update(progress)
+                        for data in batch:
+                            await link.send(proto.ShipChunk(pos, data))
+                            pos += len(data)
+                            progress.update(pos, trio.current_time())
+                            board.update(progress)
             # ShipEnd closes the exchange in every case: the receiver verifies, reports a short file, or stops
             # dropping the chunks that followed its Error.
             await link.send(proto.ShipEnd(digest))

@@ -16,7 +16,7 @@ import trio.testing
 from engine.gguf_range import LayerRangeError, plan_range_gguf
 from mesh import proto
 from mesh.link import open_link
-from mesh.shipping import ProgressBoard, ShipBusy, ShipCache, ShipFailed, serve_ship, ship_range
+from mesh.shipping import ProgressBoard, ShipBusy, ShipCache, ShipFailed, ShipReceiver, serve_ship, ship_range
 from tests.test_gguf_range import write_model
 
 TOKEN = b"fleet-token"
@@ -148,24 +148,17 @@ async def test_corrupted_partial_is_reshipped_from_zero(model, cache):
 
 async def test_second_shipper_is_refused_busy_then_succeeds(model, cache):
     plan = plan_range_gguf(model, 0, 2)
-    gate = threading.Event()
-    started = threading.Event()
-
-    def slow_write(fd, view):
-        started.set()
-        assert gate.wait(timeout=30)
-        return os.write(fd, view)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: ship(plan, cache, write=slow_write))
-        assert await trio.to_thread.run_sync(started.wait, 30)
-        try:
-            with pytest.raises(ShipBusy, match="being shipped by another connection"):
-                await ship(plan, cache)
-        finally:
-            gate.set()
-    result, paths = await ship(plan, cache)  # the first has let go: the entry is complete
-    assert (result.resumed_at, result.sent_bytes) == (plan.size, 0)
+    # The first shipper: another connection that has begun and holds the target.
+    first = ShipReceiver(cache)
+    assert first.receive(proto.ShipBegin(plan.fingerprint, 0, 2, plan.size, plan.sha256(), plan.name)) \
+        == proto.ShipResume(0)
+    first.receive(proto.ShipChunk(0, plan.read(0, CHUNK)))
+    with pytest.raises(ShipBusy, match="being shipped by another connection"):
+        await ship(plan, cache)
+    first.close()  # its connection dropped: the target is free, and its bytes are a prefix to resume from
+    result, paths = await ship(plan, cache)
+    assert (result.resumed_at, result.sent_bytes) == (CHUNK, plan.size - CHUNK)
+    assert hashlib.sha256(paths[0].read_bytes()).digest() == plan.sha256()
 
 
 async def test_full_disk_fails_clearly_and_keeps_the_partial(model, cache):
