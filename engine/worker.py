@@ -125,9 +125,31 @@ class Worker:
 
     async def load(self, path: str | os.PathLike, start: int, end: int, *, n_slots: int = 4,
                    max_context: int = 2048) -> WorkerInfo:
+        self.info = None  # the worker drops what it held before it loads; a failed Load leaves nothing loaded
         ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context), Loaded)
         self.info = ev.info
         return ev.info
+
+    def _loaded(self) -> WorkerInfo:
+        if self.info is None:
+            raise WorkerError(f"worker process {self.pid} has no model loaded")
+        return self.info
+
+    @property
+    def first(self) -> bool:
+        return self._loaded().first
+
+    @property
+    def last(self) -> bool:
+        return self._loaded().last
+
+    @property
+    def dim(self) -> int:
+        return self._loaded().dim
+
+    @property
+    def act_dtype(self) -> np.dtype:
+        return np.dtype(self._loaded().act_dtype)
 
     async def step(self, cols: Sequence[Any], hidden: np.ndarray | None, sampling: Any) -> np.ndarray:
         """Like `Stage.step`: (len(cols), dim) activations for a non-last stage, int32 token ids for the last."""

@@ -116,6 +116,7 @@ class WorkerLoop:
     def on_load(self, cmd: Load) -> Event:
         if not self.initialized:
             raise _Refuse("the worker is not initialized: send Initialize before Load")
+        self.stage = None  # a Load replaces what was held, and frees it before loading the new range
         if not os.path.isfile(cmd.path):
             raise _Refuse(f"model file {cmd.path!r} does not exist or is not a file")
         if not 0 <= cmd.start < cmd.end:
@@ -123,7 +124,6 @@ class WorkerLoop:
         if cmd.n_slots < 1 or cmd.max_context < 1:
             raise _Refuse(f"n_slots ({cmd.n_slots}) and max_context ({cmd.max_context}) must be at least 1")
         from engine.stage import Stage
-        self.stage = None  # drop the old stage's buffers before loading the new one
         t0 = time.perf_counter()
         try:
             stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context)

@@ -197,4 +197,10 @@ async def test_a_cancelled_step_leaves_the_worker_usable(tiny_model):
         os.kill(w.pid, signal.SIGCONT)
         # the late reply to the cancelled step is recognized and its output record consumed
         out = await w.step([Column(1, 0, False, 6)], None, Sampling())
-        assert out.shape == (1, 64)
+        assert out.shape == (1, 64) and (w.first, w.last, w.dim, w.act_dtype) == (True, False, 64, np.float32)
+        # a failed Load leaves nothing loaded, on both sides
+        with pytest.raises(WorkerCommandError, match="does not exist"):
+            await w.load(tiny_model.with_name("gone.gguf"), 0, 2)
+        assert w.info is None
+        with pytest.raises(WorkerCommandError, match="send Load before Step"):
+            await w.step([Column(2, 0, False, 7)], None, Sampling())
