@@ -16,6 +16,7 @@ recognized by its `reply_to` and discarded (its output record is consumed so the
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -97,7 +98,12 @@ def _wire_sampling(sampling: Any) -> tuple[tuple[dict[str, Any], ...], bool]:
         if not dataclasses.is_dataclass(s) or isinstance(s, type):
             raise WorkerCommandError("Step", f"sampling must be an engine.stage.Sampling or a sequence of them, "
                                              f"got {type(s).__name__}")
-        out.append({f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
+        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+        out.append({k: v.item() if isinstance(v, np.generic) else v for k, v in fields.items()})
+    try:
+        json.dumps(out, allow_nan=False)  # refuse here, before a step's input is written to the ring
+    except (TypeError, ValueError) as exc:
+        raise WorkerCommandError("Step", f"sampling cannot be sent: {exc}") from None
     return tuple(out), per_column
 
 
@@ -248,7 +254,11 @@ class Worker:
         self._check_usable()
         self._cid += 1
         cmd: Command = make(self._cid)
-        await self._send(cmd)
+        try:
+            line = encode_command(cmd)
+        except (TypeError, ValueError) as exc:  # json: a numpy scalar, NaN, an object
+            raise WorkerCommandError(command_name(cmd), f"arguments cannot be sent: {exc}") from None
+        await self._send(command_name(cmd), line)
         while True:
             env = await self._next_event(command_name(cmd))
             ev = env.event
@@ -278,15 +288,14 @@ class Worker:
         except RecordError as exc:
             raise self._break(WorkerFatal(f"record.{exc.field}", str(exc))) from None
 
-    async def _send(self, cmd: Command) -> None:
-        line = encode_command(cmd)
+    async def _send(self, name: str, line: bytes) -> None:
         # shielded: a half-written command line would desynchronize the channel for good; lines are small and the
         # child drains stdin between commands, so this does not block for long
         with trio.CancelScope(shield=True):
             try:
                 await self.process.stdin.send_all(line)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise await self._died(command_name(cmd)) from None
+                raise await self._died(name) from None
 
     async def _next_event(self, during: str) -> Envelope:
         while True:

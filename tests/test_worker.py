@@ -47,6 +47,13 @@ async def test_out_of_order_and_wrong_arguments_are_command_errors_not_fatal(tmp
             await w.load(junk, 0, 1)
         with pytest.raises(WorkerCommandError, match="send Load before Rollback"):
             await w.rollback(0, 0)
+        # refused at the client, before anything reaches the ring or the pipe
+        with pytest.raises(WorkerCommandError, match="sampling must be"):
+            await w.step([Column(0, 0, True, 1)], np.zeros((1, 4), np.float32), "greedy")
+        with pytest.raises(WorkerCommandError, match="cannot be sent"):
+            await w.load(junk, np.int64(0), 1)
+        with pytest.raises(WorkerCommandError, match="send Load before Step"):  # the ring is still in step
+            await w.step([Column(0, 0, True, 1)], np.zeros((1, 4), np.float32), Sampling())
         assert w.process.returncode is None  # still alive and answering
 
 
