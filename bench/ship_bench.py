@@ -1,12 +1,13 @@
 """Weight-shipping throughput on loopback TCP, against a plain copy of the same bytes in the same run.
 
-    .venv/bin/python bench/ship_bench.py [--model PATH] [--range 0:30] [--repeat 3]
+    .venv/bin/python bench/ship_bench.py [--model PATH] [--range 0:30] [--repeat 3] [--rate 1gbit]
 
 Both sides of each transfer run in separate processes (the receiver is this script with --serve), as they would
 on two machines. The plain copy sends the planned file's bytes over one TCP connection and the receiver writes
 them to a file and fsyncs it; the shipment goes through a Link (framing, auth, credit window, heartbeats) into
 `serve_ship`, which also hashes every byte, resumes, and renames into place. The one-time SHA-256 of the plan
-(the sender needs it for ShipBegin) is timed separately.
+(the sender needs it for ShipBegin) is timed separately. With --rate the receiver runs in a network namespace
+behind a rate-limited veth pair (root only), which is what a home lab's wire looks like.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _smollm2() -> Path:
 # ------------------------------------------------------------------------------------------------ receivers
 
 
-async def _serve_plain(dest: Path, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _serve_plain(dest: Path, host: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
     done = trio.Event()
 
     async def handler(stream: trio.SocketStream) -> None:
@@ -62,13 +63,13 @@ async def _serve_plain(dest: Path, task_status=trio.TASK_STATUS_IGNORED) -> None
         done.set()
 
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host=host))
         task_status.started(listeners[0].socket.getsockname()[1])
         await done.wait()
         nursery.cancel_scope.cancel()
 
 
-async def _serve_mesh(cache: Path, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _serve_mesh(cache: Path, host: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
     from mesh import proto
     from mesh.link import LinkClosed, open_link
     from mesh.shipping import serve_ship
@@ -89,17 +90,17 @@ async def _serve_mesh(cache: Path, task_status=trio.TASK_STATUS_IGNORED) -> None
         done.set()
 
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host=host))
         task_status.started(listeners[0].socket.getsockname()[1])
         await done.wait()
         nursery.cancel_scope.cancel()
 
 
-def serve_main(kind: str, where: Path) -> None:
+def serve_main(kind: str, where: Path, host: str) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             serve = _serve_plain if kind == "plain" else _serve_mesh
-            port = await nursery.start(serve, where)
+            port = await nursery.start(serve, where, host)
             print(port, flush=True)
 
     trio.run(main)
@@ -109,14 +110,53 @@ def serve_main(kind: str, where: Path) -> None:
 # ------------------------------------------------------------------------------------------------ senders
 
 
-def _spawn(kind: str, where: Path) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--where", str(where)],
-                            stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
+class Shaped:
+    """A network namespace behind a veth pair whose two ends are rate-limited (tbf): a home-lab wire, on one box."""
+
+    def __init__(self, rate: str) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns, self.out, self.into = f"shipb{tag}", f"shpa{tag}", f"shpb{tag}"
+        self.host, self.peer = "198.19.251.1", "198.19.251.2"  # 198.18.0.0/15 is for tests; other helpers use .0.x
+        ip = ["ip", "-n", self.ns]
+        self._run(["ip", "netns", "add", self.ns])
+        try:
+            self._run(["ip", "link", "add", self.out, "type", "veth", "peer", "name", self.into])
+            self._run(["ip", "link", "set", self.into, "netns", self.ns])
+            self._run(["ip", "addr", "add", f"{self.host}/30", "dev", self.out])
+            self._run(["ip", "link", "set", self.out, "up"])
+            self._run(ip + ["addr", "add", f"{self.peer}/30", "dev", self.into])
+            self._run(ip + ["link", "set", self.into, "up"])
+            self._run(ip + ["link", "set", "lo", "up"])
+            for cmd in (["tc"], ["ip", "netns", "exec", self.ns, "tc"]):
+                dev = self.out if cmd == ["tc"] else self.into
+                self._run(cmd + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb",
+                                 "latency", "20ms"])
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _run(cmd: list[str]) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.out], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 
 
-async def _send_plain(port: int, plan) -> tuple[float, float]:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+SHAPED: Shaped | None = None
+
+
+def _spawn(kind: str, where: Path) -> tuple[subprocess.Popen, str, int]:
+    host = SHAPED.peer if SHAPED else "127.0.0.1"
+    prefix = ["ip", "netns", "exec", SHAPED.ns] if SHAPED else []
+    proc = subprocess.Popen(prefix + [sys.executable, __file__, "--serve", kind, "--where", str(where),
+                                      "--host", host], stdout=subprocess.PIPE, text=True)
+    return proc, host, int(proc.stdout.readline())
+
+
+async def _send_plain(host: str, port: int, plan) -> tuple[float, float]:
+    stream = await trio.open_tcp_stream(host, port)
     t0, c0 = time.perf_counter(), time.process_time()
     for chunk in plan.iter_chunks(0, CHUNK_BYTES):
         await stream.send_all(chunk)
@@ -127,12 +167,12 @@ async def _send_plain(port: int, plan) -> tuple[float, float]:
     return dt, cpu
 
 
-async def _send_mesh(port: int, plan) -> tuple[float, float]:
+async def _send_mesh(host: str, port: int, plan) -> tuple[float, float]:
     from mesh import proto
     from mesh.link import open_link
     from mesh.shipping import ProgressBoard, ship_range
 
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = await trio.open_tcp_stream(host, port)
     with open(os.devnull, "w") as quiet:
         async with open_link(stream, token=TOKEN, role="client") as link:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -148,9 +188,9 @@ def run_one(kind: str, plan, work: Path) -> tuple[float, float, float]:
     where = work / kind
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir()
-    proc, port = _spawn(kind, where / "copy.gguf" if kind == "plain" else where)
+    proc, host, port = _spawn(kind, where / "copy.gguf" if kind == "plain" else where)
     try:
-        wall, cpu = trio.run(_send_plain if kind == "plain" else _send_mesh, port, plan)
+        wall, cpu = trio.run(_send_plain if kind == "plain" else _send_mesh, host, port, plan)
     finally:
         out, _ = proc.communicate(timeout=60)
     return wall, cpu, float(out.split()[-1])
@@ -161,13 +201,26 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--range", default=None, help="start:end (default: every layer)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rate", default=None,
+                    help="shape the wire to this tc rate (e.g. 1gbit) through a network namespace; needs root")
     ap.add_argument("--serve", choices=["plain", "mesh"], help=argparse.SUPPRESS)
     ap.add_argument("--where", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve_main(args.serve, args.where)
+        serve_main(args.serve, args.where, args.host)
         return
+    global SHAPED
+    if args.rate:
+        SHAPED = Shaped(args.rate)
+    try:
+        bench(args)
+    finally:
+        if SHAPED:
+            SHAPED.close()
 
+
+def bench(args: argparse.Namespace) -> None:
     model = args.model or _smollm2()
     t0 = time.perf_counter()
     if args.range:
@@ -181,6 +234,8 @@ def main() -> None:
     plan.sha256()
     t_hash = time.perf_counter() - t0
     mb = plan.size / 1e6
+    wire = f"a {args.rate} shaped veth into a network namespace" if args.rate else "loopback TCP"
+    print(f"over {wire}")
     print(f"model {model.name}, layers {start}..{end}: {mb:.1f} MB planned in {t_plan * 1e3:.0f} ms, "
           f"sha256 in {t_hash:.2f} s ({mb / t_hash:.0f} MB/s)")
     with tempfile.TemporaryDirectory(prefix="ship-bench-") as tmp:

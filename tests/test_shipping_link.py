@@ -34,18 +34,18 @@ def cache(tmp_path):
 
 
 @asynccontextmanager
-async def link_pair():
+async def link_pair(**kw):
     """(coordinator side, peer side) Links over one in-memory stream pair."""
     left, right = trio.testing.memory_stream_pair()
     send, receive = trio.open_memory_channel(1)
     async with trio.open_nursery() as nursery:
         async def server() -> None:
-            async with open_link(right, token=TOKEN, role="server") as link:
+            async with open_link(right, token=TOKEN, role="server", **kw) as link:
                 await send.send(link)
                 await trio.sleep_forever()
 
         nursery.start_soon(server)
-        async with open_link(left, token=TOKEN, role="client") as client:
+        async with open_link(left, token=TOKEN, role="client", **kw) as client:
             yield client, await receive.receive()
             nursery.cancel_scope.cancel()
 
@@ -184,3 +184,65 @@ async def test_range_outside_the_model_fails_before_anything_is_sent(model, cach
     async with link_pair() as (coord, _peer):
         with pytest.raises(LayerRangeError, match="0..9"):
             await ship_range(coord, model, 0, 9)
+
+
+class CountingLink:
+    """The coordinator's Link, counting the chunk bytes it sends."""
+
+    def __init__(self, link, on_chunk):
+        self.link, self.on_chunk = link, on_chunk
+
+    async def send(self, ev):
+        await self.link.send(ev)
+        if isinstance(ev, proto.ShipChunk):
+            self.on_chunk(len(ev.data))
+
+    async def receive(self):
+        return await self.link.receive()
+
+
+async def test_a_stalled_receiver_bounds_what_is_in_flight(model, cache):
+    plan = plan_range_gguf(model, 0, 4)
+    window = 8 * CHUNK
+    written = CountingWrite()
+    sent, worst = [0], [0]
+    go, flowing = trio.Event(), trio.Event()
+    plan.sha256()
+
+    def on_chunk(n):
+        sent[0] += n
+        worst[0] = max(worst[0], sent[0] - written.written)
+        if sent[0] >= window // 2:
+            flowing.set()
+
+    async def stalling_peer(link):
+        ev = await link.receive()
+        rx = ShipReceiver(cache, write=written)
+        await link.send(rx.receive(ev))  # ShipResume(0); then the peer stops reading until `go`
+        await go.wait()
+        while not rx.done:
+            reply = rx.receive(await link.receive())
+            if reply is not None:
+                await link.send(reply)
+        rx.close()
+
+    async with link_pair(window=window) as (coord, peer), trio.open_nursery() as nursery:
+        nursery.start_soon(stalling_peer, peer)
+        done = trio.Event()
+
+        async def shipper():
+            await ship_range(CountingLink(coord, on_chunk), plan, chunk=CHUNK,
+                             board=ProgressBoard(io.StringIO(), tty=False))
+            done.set()
+
+        nursery.start_soon(shipper)
+        await flowing.wait()
+        for _ in range(20):  # let the sender run (its reads go through a thread) until credit stops it
+            await trio.to_thread.run_sync(lambda: None)
+            await trio.testing.wait_all_tasks_blocked()
+        assert window // 2 <= sent[0] < plan.size and not done.is_set()
+        go.set()
+        await done.wait()
+    # Frames cost their header too, and a frame may overrun the credit by one: the window plus one chunk.
+    assert worst[0] <= window + CHUNK
+    assert hashlib.sha256(cache.entry(plan.fingerprint, 0, 4).read_bytes()).digest() == plan.sha256()
