@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-bytes", type=int, required=True)
     args = parser.parse_args(argv)
 
+    # the client owns this process's life (Shutdown, or EOF on stdin when it goes away); a Ctrl-C in the terminal
+    # reaches the whole process group and must not kill the worker under a client that is still shutting down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     event_fd = os.dup(1)  # non-inheritable: compiler subprocesses never see the event channel
     os.dup2(2, 1)
     sys.stdout = sys.stderr
