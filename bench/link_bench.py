@@ -56,6 +56,23 @@ async def link_figures(rounds: int = 2000, bulk_mb: int = 256) -> dict:
             out["link_MBps"] = bulk_mb / (time.perf_counter() - t)
         nursery.cancel_scope.cancel()
 
+    async def echo(stream):  # the same request/reply sizes as Step -> Tokens, no framing, no Link
+        while await stream.receive_some(1 << 16):
+            await stream.send_all(bytes(20))
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        request = bytes(len(proto.Codec().send(STEP)))
+        t = time.perf_counter()
+        for _ in range(rounds):
+            await stream.send_all(request)
+            await stream.receive_some(1 << 16)
+        out["raw_tcp_rtt_us"] = (time.perf_counter() - t) / rounds * 1e6
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
     async def sink(stream):
         while await stream.receive_some(1 << 20):
             pass

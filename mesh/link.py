@@ -155,17 +155,24 @@ class Link:
         self._failed.set()
 
     async def _write(self, data: bytes) -> None:
-        async with self._send_lock:
+        # Uncontended (the usual case) the lock is taken without a trip through the scheduler: on a decode step
+        # every such trip is a visible share of a hop's round trip.
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             self._raise_if_failed()
-            try:
-                # Shielded: a frame goes out whole or not at all, because a torn frame desynchronizes the peer for
-                # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
-                # background task does on any failure (the watchdog's LinkDead included) and on close.
-                with trio.CancelScope(shield=True):
-                    await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._fail(LinkClosed(f"connection lost while sending: {exc or type(exc).__name__}"))
-                raise self._failure.with_traceback(None) from exc  # type: ignore[union-attr]
+            # Shielded: a frame goes out whole or not at all, because a torn frame desynchronizes the peer for
+            # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
+            # background task does on any failure (the watchdog's LinkDead included) and on close.
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._fail(LinkClosed(f"connection lost while sending: {exc or type(exc).__name__}"))
+            raise self._failure.with_traceback(None) from exc  # type: ignore[union-attr]
+        finally:
+            self._send_lock.release()
 
     # ---- handshake
 
@@ -196,6 +203,7 @@ class Link:
             await self._send_final(proto.Error(exc.code, exc.reason))
             raise ProtocolViolation(exc.code, exc.reason) from None
         self.peer_version = machine.version
+        self._codec.version = machine.version  # every later frame carries the negotiated version
 
     async def _next_handshake_event(self) -> proto.Event:
         while True:
