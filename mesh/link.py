@@ -131,6 +131,13 @@ class Link:
             raise RemoteError(event.code, event.reason)
         return event
 
+    async def wait_failed(self) -> LinkError:
+        """Wait until the link has failed or closed, and return why. For watchers that do not read the link: a
+        registry holding idle peers, a session watching the stages it is not talking to right now."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
     async def aclose(self) -> None:
         """Say Shutdown (if the link is still up) and close the stream. Idempotent."""
         if self._failure is None:

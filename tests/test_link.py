@@ -276,3 +276,18 @@ async def test_handshake_messages_after_the_handshake_are_refused():
         await client.send(p.Hello(1, 1, bytes(32), False))
         with pytest.raises(ProtocolViolation, match="Hello after the handshake"):
             await server.receive()
+
+
+async def test_wait_failed_reports_why_the_link_ended(autojump_clock):
+    async with link_pair() as (client, server):
+        async with trio.open_nursery() as nursery:
+            why = []
+
+            async def watch():
+                why.append(await server.wait_failed())
+
+            nursery.start_soon(watch)
+            await trio.sleep(30)  # virtual: an idle link stays up
+            assert why == []
+            await client.aclose()
+        assert isinstance(why[0], LinkClosed) and "shut the link down" in str(why[0])
