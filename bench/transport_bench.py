@@ -1,10 +1,12 @@
-"""Raw TCP against our WebSocket stream on loopback, side by side: 4 KB round trip and one-way throughput.
+"""Raw TCP against our WebSocket stream on loopback, side by side: 4 KB round trip and throughput both ways.
 
     .venv/bin/python bench/transport_bench.py [--rounds 2000] [--mib 256] [--chunk-kib 1024] [--repeat 3]
 
 The server runs in a child process (as a real peer would), on one `serve_listener` port that takes both the raw and
 the WebSocket client; the client dials `host:port` and `ws://host:port`. Each client stream opens with one mode
-byte after the protocol's version byte: `E` echoes, `S` swallows an announced number of bytes and acks with one byte.
+byte after the protocol's version byte: `E` echoes, `S` swallows an announced number of bytes and acks with one byte,
+`R` sends an announced number of bytes in announced chunks. Over WebSocket the two directions differ: the client
+masks what it sends (RFC 6455), so `up` (client to server) pays masking on both ends and `down` pays none.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ async def handler(stream: trio.abc.Stream) -> None:
                 raise EOFError(f"sink: {left} bytes short")
             left -= len(data)
         await stream.send_all(b"k")
+    elif mode == b"\x01R":
+        total = int.from_bytes(await receive_exactly(stream, 8), "little")
+        chunk = int.from_bytes(await receive_exactly(stream, 8), "little")
+        block = memoryview(b"\x5a" * chunk)
+        for start in range(0, total, chunk):
+            await stream.send_all(block[: min(chunk, total - start)])
 
 
 async def serve() -> None:
@@ -88,22 +96,40 @@ async def throughput(addr: str, total: int, chunk: int) -> float:
     return total / elapsed
 
 
+async def download(addr: str, total: int, chunk: int) -> float:
+    stream = await dial(addr)
+    t0 = time.perf_counter()
+    await stream.send_all(b"\x01R" + total.to_bytes(8, "little") + chunk.to_bytes(8, "little"))
+    got = 0
+    while got < total:
+        data = await stream.receive_some()
+        if not data:
+            raise EOFError(f"download: {total - got} bytes short")
+        got += len(data)
+    elapsed = time.perf_counter() - t0
+    await stream.aclose()
+    return total / elapsed
+
+
 async def client(port: int, args: argparse.Namespace) -> None:
-    runs: dict[str, list[tuple[float, float, float]]] = {"tcp": [], "websocket": []}
+    runs: dict[str, list[tuple[float, ...]]] = {"tcp": [], "websocket": []}
+    total, chunk = args.mib * 1024 * 1024, args.chunk_kib * 1024
     # interleaved repeats, each figure the median over them: a shared machine's noise hits both sides alike
     for _ in range(args.repeat):
         for name, addr in (("tcp", f"127.0.0.1:{port}"), ("websocket", f"ws://127.0.0.1:{port}/bench")):
             rtt = await round_trips(addr, args.rounds, 4096)
-            rate = await throughput(addr, args.mib * 1024 * 1024, args.chunk_kib * 1024)
-            runs[name].append((statistics.median(rtt), sorted(rtt)[int(len(rtt) * 0.99)], rate))
-    rows = {name: tuple(statistics.median(r[i] for r in rs) for i in range(3)) for name, rs in runs.items()}
+            up = await throughput(addr, total, chunk)
+            down = await download(addr, total, chunk)
+            runs[name].append((statistics.median(rtt), sorted(rtt)[int(len(rtt) * 0.99)], up, down))
+    rows = {name: tuple(statistics.median(r[i] for r in rs) for i in range(4)) for name, rs in runs.items()}
     tcp, ws = rows["tcp"], rows["websocket"]
     print(f"loopback, server in a child process; {args.rounds} round trips of 4 KB; "
-          f"{args.mib} MiB one way in {args.chunk_kib} KiB send_all calls; median of {args.repeat} runs")
-    print(f"{'':12}{'rtt median':>12}{'rtt p99':>12}{'throughput':>14}")
-    for name, (med, p99, rate) in rows.items():
-        print(f"{name:12}{med * 1e3:>9.3f} ms{p99 * 1e3:>9.3f} ms{rate / 1e6:>9.0f} MB/s")
-    print(f"{'ws / tcp':12}{ws[0] / tcp[0]:>11.2f}x{ws[1] / tcp[1]:>11.2f}x{ws[2] / tcp[2]:>13.2f}x")
+          f"{args.mib} MiB each way in {args.chunk_kib} KiB send_all calls; median of {args.repeat} runs")
+    print(f"{'':12}{'rtt median':>12}{'rtt p99':>12}{'up':>14}{'down':>14}")
+    for name, (med, p99, up, down) in rows.items():
+        print(f"{name:12}{med * 1e3:>9.3f} ms{p99 * 1e3:>9.3f} ms{up / 1e6:>9.0f} MB/s{down / 1e6:>9.0f} MB/s")
+    print(f"{'ws / tcp':12}{ws[0] / tcp[0]:>11.2f}x{ws[1] / tcp[1]:>11.2f}x{ws[2] / tcp[2]:>13.2f}x"
+          f"{ws[3] / tcp[3]:>13.2f}x")
 
 
 def main() -> None:

@@ -120,8 +120,16 @@ async def test_text_message_is_refused_with_1003():
 async def test_ping_is_answered_and_data_still_flows():
     a, b = trio.testing.memory_stream_pair()
     raw, server = await upgrade_server_only(a, b)
-    await a.send_all(raw.send(wse.Ping(payload=b"p1")) + raw.send(wse.BytesMessage(data=b"data")))
-    assert await server.receive_some() == b"data"
+    # the ping arrives between two frames of one message, as RFC 6455 allows
+    await a.send_all(
+        raw.send(wse.BytesMessage(data=b"da", message_finished=False))
+        + raw.send(wse.Ping(payload=b"p1"))
+        + raw.send(wse.BytesMessage(data=b"ta"))
+    )
+    got = bytearray()
+    while len(got) < 4:
+        got += await server.receive_some()
+    assert got == b"data"
     raw.receive_data(await a.receive_some())
     assert [e for e in raw.events()] == [wse.Pong(payload=b"p1")]
 
@@ -130,7 +138,7 @@ async def test_garbage_frame_breaks_the_stream_with_a_close_code():
     a, b = trio.testing.memory_stream_pair()
     raw, server = await upgrade_server_only(a, b)
     await a.send_all(b"\x8f\x80\x00\x00\x00\x00")  # opcode 0xF does not exist
-    with pytest.raises(WebSocketError, match="unknown opcode") as info:
+    with pytest.raises(WebSocketError, match="Invalid opcode 0xf") as info:
         await server.receive_some()
     assert info.value.code == 1002
     with pytest.raises(WebSocketError):
@@ -261,11 +269,11 @@ async def test_prefix_stream_check_half_closeable():
 # ---- helpers: one side is a bare wsproto connection we drive by hand ----
 
 
-async def upgrade_server_only(a, b):
+async def upgrade_server_only(a, b, **kwargs):
     raw = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(a.send_all, raw.send(wse.Request(host="h:1", target="/")))
-        server = await ws_accept(b)
+        server = await ws_accept(b, **kwargs)
     raw.receive_data(await a.receive_some())
     assert [type(e) for e in raw.events()] == [wse.AcceptConnection]
     return raw, server
@@ -335,3 +343,144 @@ async def test_aclose_returns_even_when_the_peer_reads_nothing(monkeypatch):
         await client.aclose()  # server never reads: the Close cannot even be written
     with pytest.raises(trio.ClosedResourceError):
         await client.send_all(b"x")
+
+
+# ---- frames wsproto refuses, the size limit, partial frames: what the stream makes of them ----
+
+
+def client_frame(first: int, payload: bytes = b"", *, masked: bool = True) -> bytes:
+    """One frame as a client would write it; a zero masking key leaves the payload readable."""
+    assert len(payload) <= 125
+    if not masked:
+        return bytes([first, len(payload)]) + payload
+    return bytes([first, 0x80 | len(payload)]) + b"\0\0\0\0" + payload
+
+
+async def close_code_sent(raw, a):
+    """The code of the Close the stream under test wrote to the raw peer."""
+    raw.receive_data(await a.receive_some())
+    closes = [e for e in raw.events() if isinstance(e, wse.CloseConnection)]
+    assert len(closes) == 1
+    return closes[0].code
+
+
+@pytest.mark.parametrize(
+    ("wire", "code", "reason"),
+    [
+        (client_frame(0x82, b"x", masked=False), 1002, "unmasked frame"),
+        (client_frame(0xC2, b"x"), 1002, "Reserved bit"),
+        (client_frame(0x8F), 1002, "Invalid opcode"),
+        (client_frame(0x80, b"x"), 1002, "unexpected CONTINUATION"),
+        (client_frame(0x02, b"a") + client_frame(0x82, b"b"), 1002, "expected CONTINUATION"),
+        (client_frame(0x09), 1002, "fragment control frame"),
+        (client_frame(0x81, b"hi"), 1003, "text message"),
+        (client_frame(0x02, b"a" * 60) + client_frame(0x80, b"b" * 60), 1009, "limit of 100 bytes"),
+        (client_frame(0x88, b"\x03"), 1002, "1 byte payload"),
+        (client_frame(0x88, (1005).to_bytes(2, "big")), 1002, "local-only"),
+        (client_frame(0x88, (2000).to_bytes(2, "big")), 1002, "unknown reserved code"),
+        (client_frame(0x88, (1000).to_bytes(2, "big") + b"\xff\xfe"), 1007, "CLOSE reason"),
+    ],
+)
+async def test_bad_frames_break_the_stream_with_their_close_code(wire, code, reason):
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b, max_message=100)
+    await a.send_all(wire)
+    got = bytearray()
+    with pytest.raises(WebSocketError, match=reason) as info:
+        while True:
+            got += await server.receive_some()
+    assert info.value.code == code
+    assert len(got) <= 100  # nothing past the limit is handed out
+    assert await close_code_sent(raw, a) == code
+    with pytest.raises(WebSocketError):
+        await server.send_all(b"x")
+    with pytest.raises(WebSocketError):
+        await server.receive_some()
+    await server.aclose()
+
+
+async def test_payload_is_handed_out_as_it_arrives_and_the_limit_holds_as_it_accumulates():
+    a, b = trio.testing.memory_stream_pair()
+    raw, server = await upgrade_server_only(a, b, max_message=1500)
+    # one frame announcing 2**40 bytes: wsproto shows no header, so it cannot be refused before its payload
+    await a.send_all(b"\x82\xff" + (1 << 40).to_bytes(8, "big") + b"\0\0\0\0" + b"a" * 1000)
+    assert await server.receive_some() == b"a" * 1000  # without waiting for the rest of the frame
+    await a.send_all(b"b" * 1000)
+    with pytest.raises(WebSocketError, match="limit of 1500 bytes") as info:
+        await server.receive_some()
+    assert info.value.code == 1009
+    assert await close_code_sent(raw, a) == 1009
+
+
+async def test_server_frames_right_behind_the_101_are_kept():
+    a, b = trio.testing.memory_stream_pair()
+    raw = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
+
+    async def accept():
+        raw.receive_data(await b.receive_some())
+        assert [type(e) for e in raw.events()] == [wse.Request]
+        # the 101 and the first message in one write: one read on the client gets both
+        await b.send_all(raw.send(wse.AcceptConnection()) + raw.send(wse.BytesMessage(data=b"first")))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        client = await ws_connect(a, "h:1", "/")
+    assert await client.receive_some() == b"first"
+
+
+@pytest.mark.parametrize(
+    ("response", "reason"),
+    [
+        (b"NOT HTTP\r\n\r\n", "bad upgrade response"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n", "accept token"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * 20000, "bad upgrade response"),
+    ],
+)
+async def test_client_sees_garbage_response_as_handshake_error(response, reason):
+    a, b = trio.testing.memory_stream_pair()
+
+    async def answer():
+        await b.receive_some()
+        await b.send_all(response)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        with pytest.raises(HandshakeError, match=reason):
+            await ws_connect(a, "h:1", "/")
+
+
+async def test_request_head_split_across_reads_keeps_the_bytes_after_it():
+    a, b = trio.testing.memory_stream_pair()
+    raw = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    request = raw.send(wse.Request(host="h:1", target="/split"))
+    assert request.endswith(b"\r\n\r\n")
+    # the blank line straddles two reads, and the first frame rides in the second
+    first, second = request[:-2], request[-2:]  # "\r\n" | "\r\n"
+
+    async def send():
+        await a.send_all(first)
+        await trio.testing.wait_all_tasks_blocked()
+        await a.send_all(second + client_frame(0x82, b"early"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        server = await ws_accept(b)
+    assert server.path == "/split"
+    with trio.fail_after(5):  # bytes lost to wsproto's handshake would leave this read waiting forever
+        assert await server.receive_some() == b"early"
+
+
+async def test_ping_right_behind_the_request_is_answered_before_the_first_read_waits():
+    a, b = trio.testing.memory_stream_pair()
+    raw = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.send_all, raw.send(wse.Request(host="h:1", target="/")) + client_frame(0x89, b"early"))
+        server = await ws_accept(b)
+    raw.receive_data(await a.receive_some())
+    assert [type(e) for e in raw.events()] == [wse.AcceptConnection]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.receive_some)
+        with trio.fail_after(5):  # a pong left queued behind the read would never come
+            raw.receive_data(await a.receive_some())
+        assert list(raw.events()) == [wse.Pong(payload=b"early")]
+        await a.send_all(raw.send(wse.BytesMessage(data=b"x")))  # lets the pending read return

@@ -1,9 +1,9 @@
-"""WebSocket as a byte stream over any trio stream: wsproto/h11 for the opening handshake, `wsframe` after it.
+"""WebSocket as a byte stream over any trio stream, with wsproto in charge of the connection: handshake and framing.
 
 Message boundaries are dissolved: the framed protocol above parses bytes and does not care how they were cut.
-`send_all` sends one binary message per call (split into several only past `max_message`), fragmented into frames
-of `FRAME_BYTES`; `receive_some` hands out payload as it arrives, without waiting for a whole message, so memory
-stays bounded by the read size however large a message is.
+`send_all` sends one binary message per call (split into several only past `max_message`), as frames of
+`FRAME_BYTES`; `receive_some` hands out payload as wsproto yields it, without waiting for a whole message (wsproto
+yields partial frames as they arrive), so memory stays bounded by the read size however large a message is.
 
 Control frames: a ping is answered with a pong; the peer's Close is answered and then reads give EOF (b"");
 `aclose` sends Close and lingers briefly for the peer's Close so that our last bytes are not lost to a reset.
@@ -13,66 +13,65 @@ from __future__ import annotations
 
 import collections
 import operator
+import re
 from typing import Final
 
-import h11
 import trio
 import wsproto
 import wsproto.events as wse
-import wsproto.utilities
+from wsproto.connection import ConnectionState
+from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from . import wsframe
 from .errors import HandshakeError, WebSocketError
-from .wsframe import CloseCode, FrameError
 
 # The protocol's largest frame is 64 MiB of payload plus its header; a send_all of one frame must cross as one message.
 DEFAULT_MAX_MESSAGE: Final = 64 * 1024 * 1024 + 64 * 1024
-# Outgoing fragment size: big enough that per-frame Python overhead vanishes, small enough that masking a fragment
-# does not double a 64 MiB message's memory.
+# Outgoing frame size. wsproto copies a frame's payload several times (and masks it byte-strided on the client):
+# 1 MiB frames were the fastest measured (64 KiB-4 MiB), and keep a 64 MiB message's copies small.
 FRAME_BYTES: Final = 1024 * 1024
-# How much one read from the inner stream asks for.
+# How much one read from the inner stream asks for; wsproto turns each read into at most a few events.
 READ_BYTES: Final = 256 * 1024
 # How long aclose waits for the peer's Close after sending ours: a lingering close, as web servers do it. Closing a
 # TCP socket with unread input sends a reset, which can destroy our own last bytes still in flight. Not a caller
 # timeout: the peer may simply never answer, and aclose must still return.
 CLOSE_GRACE_S = 1.0
-# The opening handshake is bounded by h11's limit on an incomplete request or response head (16 KiB).
-_MAX_HEAD = 16 * 1024
+# Where an HTTP head ends, by h11's own rule (it also takes bare LF line ends).
+_HEAD_END = re.compile(rb"\n\r?\n")
 
 
 class WebSocketStream(trio.abc.Stream):
     """A `trio.abc.Stream` over an open WebSocket; made by `ws_connect` or `ws_accept`.
 
-    `path` is the request target; `transport_stream` the stream underneath.
+    `connection` is the wsproto connection after its handshake (state OPEN), already fed with any bytes that
+    followed the handshake. `path` is the request target; `transport_stream` the stream underneath.
     """
 
     def __init__(
         self,
         inner: trio.abc.Stream,
+        connection: wsproto.WSConnection,
         *,
-        client: bool,
         path: str,
-        received: bytes = b"",
         max_message: int = DEFAULT_MAX_MESSAGE,
         close_grace: float | None = None,
     ) -> None:
         if max_message < 1:
             raise ValueError(f"max_message must be at least 1, got {max_message}")
+        if connection.state is not ConnectionState.OPEN:
+            raise ValueError(f"the wsproto connection must be open, it is {connection.state.name}")
         self.transport_stream = inner
         self.path = path
         self.max_message = max_message
-        self._client = client  # a client masks what it sends
-        self._decoder = wsframe.FrameDecoder(client=client, max_message=max_message)
-        self._decoder.receive_data(received)
+        self._ws = connection
         self._close_grace = CLOSE_GRACE_S if close_grace is None else close_grace
         # receive side
         self._chunks: collections.deque[bytes | bytearray] = collections.deque()
         self._offset = 0  # bytes of _chunks[0] already handed out
+        self._message_bytes = 0  # received so far of the message in progress
         self._eof = False
         self._error: WebSocketError | None = None
         self._receiving = False
-        # the closing handshake
-        self._sent_close = False
         self._got_close: int | None = None  # the peer's close code
         # send side: one lock serialises writes of send_all, control replies and aclose onto the inner stream
         self._send_lock = trio.Lock()
@@ -80,6 +79,8 @@ class WebSocketStream(trio.abc.Stream):
         self._pending = bytearray()  # control frames waiting for the writer
         self._send_broken: str | None = None
         self._closed = False
+        # wsproto may already hold frames that came right behind the handshake
+        self._handle_events()
 
     # ---- receiving ----
 
@@ -118,17 +119,16 @@ class WebSocketStream(trio.abc.Stream):
         return chunk[start : start + n]
 
     async def _pump(self) -> None:
-        """Read once from the inner stream (unless events are already waiting) and act on what arrived."""
-        self._handle_events()
-        if not (self._chunks or self._eof or self._error is not None):
-            data = await self._read_inner()
-            if data:
-                self._decoder.receive_data(data)
-                self._handle_events()
-            else:
-                # the transport ended without a Close (1006): reported as plain EOF, like TCP's FIN; the framed
-                # protocol above notices a truncated frame on its own
-                self._eof = True
+        """Read once from the inner stream and act on what wsproto makes of it."""
+        await self._flush_pending()  # e.g. the pong to a ping that came right behind the handshake
+        data = await self._read_inner()
+        if data:
+            self._ws.receive_data(data)
+            self._handle_events()
+        else:
+            # the transport ended without a Close (1006): reported as plain EOF, like TCP's FIN; the framed
+            # protocol above notices a truncated frame on its own
+            self._eof = True
         await self._flush_pending()
 
     async def _read_inner(self) -> bytes | bytearray:
@@ -140,29 +140,41 @@ class WebSocketStream(trio.abc.Stream):
             raise
 
     def _handle_events(self) -> None:
-        try:
-            while (event := self._decoder.next_event()) is not None:
-                if isinstance(event, wsframe.Data):
-                    if event.payload:
-                        self._chunks.append(event.payload)
-                elif isinstance(event, wsframe.Ping):
-                    if not self._sent_close:
-                        self._pending += wsframe.encode_pong(event.payload, masked=self._client)
-                elif isinstance(event, wsframe.Close):
-                    self._got_close = event.code
-                    self._eof = True
-                    if not self._sent_close:
-                        self._send_close(event.code)  # echo the peer's code, as RFC 6455 5.5.1 asks
+        for event in self._ws.events():
+            if isinstance(event, wse.BytesMessage):
+                # wsproto has no size limit and shows no frame header, so the limit holds as the message accumulates:
+                # nothing past it is handed out, and no message is ever buffered whole
+                self._message_bytes += len(event.data)
+                if self._message_bytes > self.max_message:
+                    self._fail(CloseReason.MESSAGE_TOO_BIG, f"a message exceeded the limit of {self.max_message} bytes")
                     return
-                # Pong: nothing to do, we never ping
-        except FrameError as exc:
-            if not self._sent_close:
-                self._send_close(exc.code, exc.reason)
-            self._error = WebSocketError(f"peer broke the WebSocket protocol: {exc.reason}", code=exc.code)
+                if event.data:
+                    self._chunks.append(event.data)
+                if event.message_finished:
+                    self._message_bytes = 0
+            elif isinstance(event, wse.Ping):
+                if self._ws.state is ConnectionState.OPEN:
+                    self._pending += self._ws.send(event.response())
+            elif isinstance(event, wse.CloseConnection):
+                if self._ws.state in (ConnectionState.REMOTE_CLOSING, ConnectionState.CLOSED):
+                    self._got_close = int(event.code)
+                    self._eof = True
+                    if self._ws.state is ConnectionState.REMOTE_CLOSING:
+                        self._pending += self._ws.send(event.response())  # echo, as RFC 6455 5.5.1 asks
+                else:
+                    # a frame wsproto refused: it reports that as a CloseConnection carrying the code to answer with,
+                    # leaving its state unchanged, and parses nothing more
+                    self._fail(event.code, event.reason or "bad frame")
+                return
+            elif isinstance(event, wse.TextMessage):
+                self._fail(CloseReason.UNSUPPORTED_DATA, "peer sent a text message; this stream carries binary only")
+                return
+            # Pong: nothing to do, we never ping
 
-    def _send_close(self, code: int, reason: str = "") -> None:
-        self._pending += wsframe.encode_close(code, reason, masked=self._client)
-        self._sent_close = True
+    def _fail(self, code: int, reason: str) -> None:
+        if self._ws.state is ConnectionState.OPEN:
+            self._pending += self._ws.send(wse.CloseConnection(code=code, reason=reason))
+        self._error = WebSocketError(f"peer broke the WebSocket protocol: {reason}", code=int(code))
 
     async def _flush_pending(self) -> None:
         # Control replies go out now unless a send_all holds the writer: it flushes them between its frames.
@@ -195,14 +207,14 @@ class WebSocketStream(trio.abc.Stream):
                     message = view[start : start + self.max_message]
                     for offset in range(0, len(message), FRAME_BYTES):
                         self._check_can_send()
-                        await self._write(
-                            *wsframe.encode_frame(
-                                message[offset : offset + FRAME_BYTES],
-                                opcode=wsframe.Opcode.CONTINUATION if offset else wsframe.Opcode.BINARY,
-                                fin=offset + FRAME_BYTES >= len(message),
-                                masked=self._client,
+                        # wsproto frames a memoryview slice as it is: no copy of ours before its own
+                        frame = self._ws.send(
+                            wse.BytesMessage(
+                                data=message[offset : offset + FRAME_BYTES],
+                                message_finished=offset + FRAME_BYTES >= len(message),
                             )
                         )
+                        await self._write(frame)
             finally:
                 self._send_lock.release()
         finally:
@@ -217,13 +229,13 @@ class WebSocketStream(trio.abc.Stream):
             raise WebSocketError(self._error.reason, code=self._error.code)
         if self._got_close is not None:
             raise trio.BrokenResourceError(f"the peer closed the WebSocket (code {self._got_close})")
-        if self._sent_close:
+        if self._ws.state is not ConnectionState.OPEN:
             raise trio.BrokenResourceError("the WebSocket is closing")
 
-    async def _write(self, *buffers: bytes | bytearray | memoryview) -> None:
-        """Write `buffers`, then any control frames queued meanwhile. Caller holds the send lock."""
+    async def _write(self, buffer: bytes | bytearray = b"") -> None:
+        """Write `buffer`, then any control frames queued meanwhile. Caller holds the send lock."""
         try:
-            for buffer in buffers:
+            if buffer:
                 await self.transport_stream.send_all(buffer)
             while self._pending:
                 pending, self._pending = self._pending, bytearray()
@@ -259,15 +271,20 @@ class WebSocketStream(trio.abc.Stream):
         try:
             # a send_all in progress owns the writer and may be stuck mid-frame: then no Close can be framed
             if not self._send_lock.locked() and self._send_broken is None:
-                if not self._sent_close:
-                    self._send_close(CloseCode.NORMAL)
+                if self._ws.state is ConnectionState.OPEN:
+                    self._pending += self._ws.send(wse.CloseConnection(code=CloseReason.NORMAL_CLOSURE))
                 # the grace covers writing our Close too: a peer that reads nothing may leave no room for it
                 with trio.move_on_after(self._close_grace):
                     if self._pending:
                         async with self._send_lock:
                             await self._write()
                     # a receive_some in another task owns the inner stream's reading side; closing ends it
-                    if self._got_close is None and self._error is None and not self._eof and not self._receiving:
+                    if (
+                        self._ws.state is ConnectionState.LOCAL_CLOSING
+                        and self._error is None
+                        and not self._eof
+                        and not self._receiving
+                    ):
                         await self._linger()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went first; closing is all that is left to do
@@ -275,19 +292,17 @@ class WebSocketStream(trio.abc.Stream):
             await self.transport_stream.aclose()
 
     async def _linger(self) -> None:
-        """Read and drop whatever comes until the peer's Close, a framing error or EOF."""
+        """Read and drop whatever comes until the peer's Close, a frame wsproto refuses, or EOF."""
         while True:
             data = await self.transport_stream.receive_some(READ_BYTES)
             if not data:
                 return
-            self._decoder.receive_data(data)
-            try:
-                while (event := self._decoder.next_event()) is not None:
-                    if isinstance(event, wsframe.Close):
-                        self._got_close = event.code
-                        return
-            except FrameError:
-                return
+            self._ws.receive_data(data)
+            for event in self._ws.events():
+                if isinstance(event, wse.CloseConnection):
+                    if self._ws.state is ConnectionState.CLOSED:
+                        self._got_close = int(event.code)
+                    return
 
 
 # ---- opening handshakes ----
@@ -306,27 +321,21 @@ async def ws_connect(
     """
     ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
     await stream.send_all(ws.send(wse.Request(host=host, target=path)))
-    # The server may send frames right behind its 101 response; wsproto would keep them inside its own framing,
-    # so it is handed exactly the response head and the rest goes to our decoder.
-    head = bytearray()
-    while (end := head.find(b"\r\n\r\n")) < 0:
-        if len(head) > _MAX_HEAD:
-            raise HandshakeError(f"upgrade response head over {_MAX_HEAD} bytes", peer=host)
-        data = await stream.receive_some(READ_BYTES)
-        if not data:
-            raise HandshakeError("the server closed the connection before completing the upgrade", peer=host)
-        head += data
-    rest = bytes(head[end + 4 :])
     try:
-        ws.receive_data(bytes(head[: end + 4]))
-        for event in ws.events():
-            if isinstance(event, wse.AcceptConnection):
-                return WebSocketStream(stream, client=True, path=path, received=rest, max_message=max_message)
-            if isinstance(event, wse.RejectConnection):
-                raise HandshakeError(f"the server refused the upgrade with HTTP {event.status_code}", peer=host)
-    except wsproto.utilities.RemoteProtocolError as exc:
-        raise HandshakeError(f"bad upgrade response: {exc}", peer=host) from None
-    raise HandshakeError("bad upgrade response: no complete HTTP response head", peer=host)
+        while True:
+            data = await stream.receive_some(READ_BYTES)
+            if not data:
+                raise HandshakeError("the server closed the connection before completing the upgrade", peer=host)
+            # wsproto's h11 bounds the response head (16 KiB) and keeps what follows the 101 (frames the server
+            # sent at once) for the open connection
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, wse.AcceptConnection):
+                    return WebSocketStream(stream, ws, path=path, max_message=max_message)
+                if isinstance(event, wse.RejectConnection):
+                    raise HandshakeError(f"the server refused the upgrade with HTTP {event.status_code}", peer=host)
+    except RemoteProtocolError as exc:
+        raise HandshakeError(_describe(exc, "response"), peer=host) from None
 
 
 async def ws_accept(
@@ -340,56 +349,61 @@ async def ws_accept(
     A request that is not a valid WebSocket upgrade gets an HTTP error response and raises `HandshakeError`
     (`peer`, if given, is named in it); the caller still owns `stream` then.
     """
-    # h11 parses the request (it refuses an incomplete head over 16 KiB) and keeps the bytes that follow it, which
-    # wsproto's own server handshake would drop; wsproto then checks the upgrade and writes the 101.
-    http = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-    while True:
-        try:
-            event = http.next_event()
-        except h11.RemoteProtocolError as exc:
-            await _reject(stream, 400, f"bad HTTP request: {exc}")
-            raise HandshakeError(f"bad HTTP request: {exc}", peer=peer) from None
-        if event is h11.NEED_DATA:
+    ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
+    # wsproto's server handshake drops whatever follows the request head, yet a client may send its first frames
+    # right behind it: so wsproto is fed the head alone, and the rest once the connection is open.
+    tail = b""  # the last bytes fed, as the blank line may straddle two reads
+    try:
+        while True:
             data = await stream.receive_some(READ_BYTES)
             if not data:
                 raise HandshakeError("the client closed the connection during the upgrade request", peer=peer)
-            http.receive_data(data)
-            continue
-        if isinstance(event, h11.Request):
-            break
-        raise HandshakeError(f"unexpected HTTP event {type(event).__name__}", peer=peer)
-    ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
-    try:
-        if event.method != b"GET":
-            raise wsproto.utilities.RemoteProtocolError(f"method must be GET, got {event.method.decode('latin-1')}")
-        ws.initiate_upgrade_connection(list(event.headers), event.target)
-        request = next(ws.events())
-    except wsproto.utilities.RemoteProtocolError as exc:
-        hint = exc.event_hint
-        status = hint.status_code if isinstance(hint, wse.RejectConnection) else 400
-        extra = list(hint.headers) if isinstance(hint, wse.RejectConnection) else []
-        await _reject(stream, status, f"not a WebSocket upgrade: {exc}", extra)
-        raise HandshakeError(f"not a WebSocket upgrade: {exc}", peer=peer) from None
-    assert isinstance(request, wse.Request)
+            end = _HEAD_END.search(tail + data)
+            rest = b""
+            if end is not None:
+                cut = end.end() - len(tail)
+                data, rest = data[:cut], data[cut:]
+            ws.receive_data(data)  # its h11 refuses an incomplete head over 16 KiB
+            request = next((e for e in ws.events() if isinstance(e, wse.Request)), None)
+            if request is not None:
+                break
+            if end is not None:
+                raise RemoteProtocolError("the request head held no request", event_hint=wse.RejectConnection())
+            tail = (tail + data)[-2:]
+    except RemoteProtocolError as exc:
+        reason = _describe(exc, "request")
+        await _reject(stream, ws, exc, reason)
+        raise HandshakeError(reason, peer=peer) from None
     await stream.send_all(ws.send(wse.AcceptConnection()))
-    trailing, _ = http.trailing_data
-    return WebSocketStream(
-        stream, client=False, path=request.target, received=bytes(trailing), max_message=max_message
-    )
+    if rest:
+        ws.receive_data(rest)
+    return WebSocketStream(stream, ws, path=request.target, max_message=max_message)
 
 
-async def _reject(
-    stream: trio.abc.Stream, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    """Send a plain HTTP error response; a client that already left is no reason to fail louder."""
+def _describe(exc: RemoteProtocolError, what: str) -> str:
+    # wsproto reports every HTTP parse failure as "Bad HTTP message"; the h11 error it was raised from says which
+    if what == "request":
+        return f"bad HTTP request: {exc.__context__}" if exc.__context__ else f"not a WebSocket upgrade: {exc}"
+    return f"bad upgrade response: {exc.__context__ or exc}"
+
+
+async def _reject(stream: trio.abc.Stream, ws: wsproto.WSConnection, exc: RemoteProtocolError, reason: str) -> None:
+    """Answer a bad upgrade request with wsproto's suggested HTTP error; a client that already left is no reason to
+    fail louder."""
+    hint = exc.event_hint if isinstance(exc.event_hint, wse.RejectConnection) else wse.RejectConnection()
     body = reason.encode("utf-8", "replace") + b"\n"
-    head = [f"HTTP/1.1 {status} {_STATUS_TEXT.get(status, 'Error')}".encode()]
-    head += [name + b": " + value for name, value in extra or []]
-    head += [b"Content-Type: text/plain; charset=utf-8", b"Content-Length: %d" % len(body), b"Connection: close"]
+    headers = [
+        *hint.headers,
+        (b"Content-Type", b"text/plain; charset=utf-8"),
+        (b"Content-Length", b"%d" % len(body)),
+        (b"Connection", b"close"),
+    ]
     try:
-        await stream.send_all(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        response = ws.send(wse.RejectConnection(status_code=hint.status_code, headers=headers, has_body=True))
+        response += ws.send(wse.RejectData(data=body))
+    except LocalProtocolError:
+        return  # h11 cannot frame a response in its state: closing says enough
+    try:
+        await stream.send_all(response)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
-
-
-_STATUS_TEXT = {400: "Bad Request", 426: "Upgrade Required"}
