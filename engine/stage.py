@@ -28,6 +28,7 @@ class Column:
     token: int = 0
 
 
+PREFILL_MIN = 8  # smallest padded prefill: shorter prompts share one set of kernels
 _KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
 
 
@@ -201,8 +202,18 @@ class Stage:
             out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
         else:
             positions = np.array([c.pos for c in cols], dtype=np.int64)
+            jit_runs = runs
+            if len(runs) == 1 and N > 1:
+                # a prefill run is padded to a power of two so prompts of similar length share compiled kernels;
+                # pad rows write cache positions past the run, which nothing reads before a later step rewrites them
+                _, _, slot, pos = runs[0]
+                size = max(PREFILL_MIN, 1 << (N - 1).bit_length())
+                if pos + size <= self.max_context:
+                    x_np = np.concatenate([x_np, np.zeros((size - N, self.dim), self.act_dtype)])
+                    positions = np.arange(pos, pos + size, dtype=np.int64)
+                    jit_runs = [(0, size, slot, pos)]
             cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
-            shape = (N, tuple((col, n) for col, n, _, _ in runs), picks)
+            shape = (len(x_np), tuple((col, n) for col, n, _, _ in jit_runs), picks)
             fn = self._jits.get(shape)
             if fn is None:
                 fn = partial(self._graph, shape)
@@ -211,6 +222,8 @@ class Stage:
             binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
                     [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
             out = fn(Tensor(x_np).realize(), Tensor(cos_np).realize(), Tensor(sin_np).realize(), *binds).numpy()
+            if not self.last:
+                out = out[:N]
         for col, n, slot, pos in runs:
             self._lengths[slot] = pos + n
         return out
