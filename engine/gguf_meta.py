@@ -171,6 +171,9 @@ def _tensor_nbytes(r: _Reader, name: str, ne: tuple[int, ...], ggml_type: int) -
     return n // block * size
 
 
+_SAMPLE = 4096  # bytes hashed from each end of every tensor for the fingerprint
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse the GGUF header at `path`: metadata, tensor table, and bounds checks against the file size."""
     path = Path(path)
@@ -217,8 +220,16 @@ def read_gguf(path: str | Path) -> GGUFFile:
             if name in tensors:
                 raise r.fail(f"tensor {name!r} appears twice")
             tensors[name] = TensorInfo(name, tuple(reversed(ne)), ggml_type, start, nbytes)
+        # Identity: the header (metadata + tensor table) and a sample of every tensor's bytes. The header alone
+        # cannot tell two fine-tunes of one architecture apart; the samples can, for a few KiB read per tensor.
+        h = hashlib.sha256()
         f.seek(0)
-        digest = hashlib.sha256(f.read(header_end)).hexdigest()
+        h.update(f.read(header_end))
+        for t in tensors.values():
+            for at in sorted({t.offset, max(t.offset, t.offset + t.nbytes - _SAMPLE)}):
+                f.seek(at)
+                h.update(f.read(min(_SAMPLE, t.nbytes)))
+        digest = h.hexdigest()
     return GGUFFile(path, kv, tensors, data_start, file_size, digest)
 
 

@@ -435,14 +435,10 @@ class RangePlan:
 
 
 def _source_identity(path: Path, header: SourceHeader) -> str:
-    """The source's fingerprint as the engine reports it (engine.gguf_meta owns its definition)."""
-    carried = header.kv_values.get(KEY_FINGERPRINT)
-    if isinstance(carried, str):
-        return carried  # the source is itself a range file: it speaks for the original model
-    # The engine's definition (engine.gguf_meta's header_sha256): sha256 over the metadata and tensor table.
-    # tests/test_gguf_range.py holds the two to the same value.
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read(header.header_end)).hexdigest()
+    """The source's fingerprint exactly as the engine reports it: engine.gguf_meta owns its definition (and a range
+    file's carried identity)."""
+    from .gguf_meta import read_model_meta
+    return read_model_meta(path).fingerprint
 
 
 def plan_range_gguf(src_path: str | os.PathLike, start: int, end: int, *,
