@@ -162,6 +162,12 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
     await transport.serve_listener(host, 0, handler, task_status=task_status)
 
 
+async def _report_loss(m: Member, send_channel) -> None:
+    """In p2p mode the coordinator only reads the sink: a stage that dies mid-chain must still end the wait."""
+    why = await m.link.wait_failed()
+    await send_channel.send(proto.Error(proto.ErrorCode.INTERNAL, f"{m.name} is gone: {why}"))
+
+
 async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
     """Connect the stages: hub mode needs nothing; p2p mode has each peer dial its successor and the last dial the sink."""
     names = [m.name for m in fleet.members]
@@ -169,6 +175,10 @@ async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
     if fleet.cfg.chain == "hub":
         return HubPipeline(links, names, fleet.local)
     send, receive = trio.open_memory_channel(64)
+    watchers = await stack.enter_async_context(trio.open_nursery())
+    stack.callback(watchers.cancel_scope.cancel)       # runs first at the session's end, then the nursery closes
+    for m in fleet.members:
+        watchers.start_soon(_report_loss, m, send)
     host = fleet.cfg.listen.rpartition(":")[0] or "0.0.0.0"
     sink_port = await nursery.start(_sink_service, fleet.cfg.token, host, send)
     for k, m in enumerate(fleet.members):

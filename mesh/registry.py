@@ -47,6 +47,11 @@ class Member:
         self.released.set()
 
 
+async def _cancel_after(waiter, scope: trio.CancelScope) -> None:
+    await waiter()
+    scope.cancel()
+
+
 class Registry:
     def __init__(self, token: bytes | None):
         self.token = token
@@ -73,7 +78,12 @@ class Registry:
                     member = Member(link, host, first, self._joined)
                     self._add(member)
                     try:
-                        await member.released.wait()
+                        # Held until a session is done with it, or until the peer goes away while pooled (the
+                        # link's heartbeat notices a silent peer), so the pool only ever offers live peers.
+                        async with trio.open_nursery() as watch:
+                            watch.start_soon(_cancel_after, link.wait_failed, watch.cancel_scope)
+                            await member.released.wait()
+                            watch.cancel_scope.cancel()
                     finally:
                         member.gone = True
                         self._remove(member)

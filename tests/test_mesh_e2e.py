@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,25 @@ def test_modelless_peers_receive_their_layers(model, reference, tmp_path):
         code, answer, err = run_coord(start, port, model, *coord_args(peers=2))   # the cache is reused
         assert code == 0 and answer["tokens"] == reference, err
         assert "shipping" not in err
+
+
+def test_a_peer_that_disappears_mid_answer_is_named_and_the_rest_serve_on(model, reference):
+    port = free_port()
+    with processes() as start:
+        peers = [peer(start, port, model=model) for _ in range(3)]
+        coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--json",
+                               *coord_args(peers=3), "--max-tokens", "1500"))
+        lines = []
+        for raw in coord.stderr:                       # wait until the chain is wired, then pull a stage away
+            lines.append(raw.decode(errors="replace"))
+            if lines[-1].startswith("stage 3:"):
+                break
+        peers[1].kill()
+        t0 = time.monotonic()
+        rest = coord.stderr.read().decode(errors="replace")
+        coord.wait(timeout=60)
+        assert time.monotonic() - t0 < 30, "a dead stage must be noticed within seconds (heartbeats)"
+        assert coord.returncode == 1, "".join(lines) + rest
+        assert "is gone" in rest.strip().splitlines()[-1] or "lost" in rest.strip().splitlines()[-1], rest
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))   # the survivors serve on
+        assert code == 0 and answer["tokens"] == reference, err
