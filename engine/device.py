@@ -2,15 +2,18 @@
 
 tinygrad 0.14 names a device and its renderer in one `DEV` value (`CPU`, `CPU:X86`, `CUDA`, `CUDA:PTX`); the older
 `CUDA_PTX=1` style variables now trip an assertion, so the fallbacks are expressed as `DEV` values:
-- CPU without `clang` on PATH -> `CPU:X86` (tinygrad's own x86 backend, about 2x slower, needs no compiler);
+- CPU without its C compiler (`$CC`, else `clang`) on PATH -> `CPU:X86` (tinygrad's own x86 backend, about 2x
+  slower, needs no compiler);
 - CUDA without `nvcc` on PATH -> `CUDA:PTX` (PTX handed to the driver, no CUDA toolkit needed).
-A device string that already names a renderer is taken as given.
+A `$CC` that is not clang (gcc, as on some CUDA images) counts as missing: tinygrad passes it clang-only flags. Where
+NVRTC does not load, tinygrad itself moves on to its PTX renderer. A DEV that already names a renderer is kept.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -37,8 +40,17 @@ class Probe:
     ms: float
 
 
+def is_clang(cc: str) -> bool:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" in out.lower()
+
+
 def choose_device(requested: str | None, *, default: Callable[[], str],
-                  which: Callable[[str], str | None] = shutil.which) -> DeviceChoice:
+                  which: Callable[[str], str | None] = shutil.which,
+                  is_clang: Callable[[str], bool] = is_clang) -> DeviceChoice:
     """Resolve `requested` (None: the DEV environment variable, else tinygrad's own default, asked lazily through
     `default`) and apply the compiler fallbacks."""
     name = requested if requested is not None else (os.environ.get("DEV") or default())
@@ -49,8 +61,12 @@ def choose_device(requested: str | None, *, default: Callable[[], str],
     kind = kind.upper()
     if rest:
         return DeviceChoice(requested, name, "default", "")
-    if kind == "CPU" and which("clang") is None:
-        return DeviceChoice(requested, "CPU:X86", "x86", "clang not found on PATH")
+    if kind == "CPU":
+        cc = os.environ.get("CC", "clang")  # tinygrad's CPU renderer runs $CC, else clang
+        if which(cc) is None:
+            return DeviceChoice(requested, "CPU:X86", "x86", f"{cc} not found on PATH")
+        if not is_clang(cc):
+            return DeviceChoice(requested, "CPU:X86", "x86", f"{cc} is not clang (tinygrad passes it clang-only flags)")
     if kind == "CUDA" and which("nvcc") is None:
         return DeviceChoice(requested, "CUDA:PTX", "ptx", "nvcc not found on PATH")
     return DeviceChoice(requested, name, "default", "")

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.arena import (EGRESS, INGRESS, RECORD_ALIGN, RECORD_FIELDS, RECORD_HEADER_LEN, Arena, ArenaError,
                           PayloadKind, RecordError, RecordHeader, RecordRef, RingFull, RingReader, RingWriter)
-from engine.device import DeviceError, choose_device
+from engine.device import DeviceError, choose_device, is_clang
 from engine.worker_proto import (CommandError, Done, Fatal, Initialize, Load, Loaded, Ready, Reset, Rollback, Shutdown,
                                  Step, StepDone, Stopped, WireColumn, WireError, WorkerInfo, ZeroSlot, decode_command,
                                  decode_event, encode_command, encode_event)
@@ -205,17 +205,25 @@ def _which(present):
     return lambda name: f"/usr/bin/{name}" if name in present else None
 
 
-@pytest.mark.parametrize("requested, present, selected, compiler", [
-    ("CPU", {"clang"}, "CPU", "default"),
-    ("CPU", set(), "CPU:X86", "x86"),
-    ("CUDA", {"nvcc"}, "CUDA", "default"),
-    ("CUDA", set(), "CUDA:PTX", "ptx"),
-    ("CPU:LLVM", set(), "CPU:LLVM", "default"),  # a named renderer is taken as given
+@pytest.mark.parametrize("requested, present, clang, selected, compiler", [
+    ("CPU", {"clang"}, True, "CPU", "default"),
+    ("CPU", set(), True, "CPU:X86", "x86"),
+    ("CPU", {"clang"}, False, "CPU:X86", "x86"),  # a "clang" (or $CC) that is really gcc
+    ("CUDA", {"nvcc"}, True, "CUDA", "default"),
+    ("CUDA", set(), True, "CUDA:PTX", "ptx"),
+    ("CPU:LLVM", set(), True, "CPU:LLVM", "default"),  # a named renderer is taken as given
 ])
-def test_device_fallbacks(requested, present, selected, compiler):
-    choice = choose_device(requested, default=lambda: "CPU", which=_which(present))
+def test_device_fallbacks(monkeypatch, requested, present, clang, selected, compiler):
+    monkeypatch.delenv("CC", raising=False)
+    choice = choose_device(requested, default=lambda: "CPU", which=_which(present), is_clang=lambda cc: clang)
     assert (choice.selected, choice.compiler) == (selected, compiler)
     assert (choice.reason != "") == (compiler != "default")
+
+
+def test_device_cpu_compiler_is_cc_when_set(monkeypatch):
+    monkeypatch.setenv("CC", "gcc")
+    choice = choose_device("CPU", default=lambda: "CPU", which=_which({"clang"}), is_clang=lambda cc: True)
+    assert choice.selected == "CPU:X86" and "gcc not found" in choice.reason
 
 
 def test_device_default_comes_from_env_then_tinygrad(monkeypatch):
@@ -223,6 +231,7 @@ def test_device_default_comes_from_env_then_tinygrad(monkeypatch):
     assert choose_device(None, default=lambda: "CUDA", which=_which({"nvcc"})).selected == "CUDA"
     monkeypatch.setenv("DEV", "CPU")
     assert choose_device(None, default=lambda: "CUDA", which=_which(set())).selected == "CPU:X86"
+    assert is_clang("/nonexistent/cc") is False
     with pytest.raises(DeviceError, match="whitespace"):
         choose_device("CP U", default=lambda: "CPU")
 
