@@ -210,6 +210,8 @@ def peer_main(argv: list[str] | None = None) -> None:
     from mesh.peer import Peer, PeerConfig, memory_hint_mb
     from signaling import IceConfig
 
+    if args.layers and not args.model:
+        sys.exit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
     model = None
     if args.model:
         from engine.sources import resolve_source

@@ -23,7 +23,7 @@ from engine.gguf_meta import read_model_meta
 from engine.worker import open_worker
 from mesh import proto
 from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
-from mesh.errors import HopError
+from mesh.errors import HopError, MeshError
 from mesh.link import AuthFailed, LinkClosed, LinkError, RemoteError, open_link
 from mesh.report import DonorReport
 
@@ -49,7 +49,7 @@ class PeerConfig:
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
 
 
-class AuthRefused(Exception):
+class AuthRefused(MeshError):
     """The coordinator refused our fleet token: retrying cannot help."""
 
 
@@ -85,8 +85,6 @@ class Peer:
             self.worker = worker
             self.backend = f"{worker.ready.device}" if worker.ready else ""
             if self.cfg.layers:
-                if self.cfg.model is None:
-                    raise SystemExit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
                 await self._load(self.cfg.model, *self.cfg.layers)
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -113,7 +111,7 @@ class Peer:
                     delay = 0.25
                     continue
                 except AuthRefused as exc:
-                    raise SystemExit(f"mesh-peer: coordinator {self.cfg.join} refused us: {exc}") from None
+                    raise AuthRefused(f"coordinator {self.cfg.join} refused us: {exc}") from None
                 except (LinkError, transport.TransportError, HopError) as exc:
                     log.warning("session with coordinator %s ended: %s", self.cfg.join, exc)
             await trio.sleep(delay)

@@ -16,7 +16,7 @@ import trio
 import transport
 from mesh import proto
 from mesh.errors import FleetError
-from mesh.link import LinkError, open_link
+from mesh.link import AuthFailed, LinkError, open_link
 
 log = logging.getLogger("mesh.registry")
 HANDSHAKE_SECONDS = 10.0
@@ -89,6 +89,8 @@ class Registry:
                         self._remove(member)
         except trio.TooSlowError:
             log.warning("refused %s: no handshake within %.0fs", host, HANDSHAKE_SECONDS)
+        except AuthFailed as exc:
+            log.warning("refused peer %s: %s", host, exc)
         except (LinkError, proto.ProtoError, transport.TransportError) as exc:
             log.warning("peer %s: %s", host, exc)
 
