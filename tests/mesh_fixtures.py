@@ -18,23 +18,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.test_tokenizer import byte_chars
 from tests.tiny_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 def _smollm2_template() -> str:
@@ -46,7 +34,7 @@ def _smollm2_template() -> str:
 def write_tiny_chat_model(path: Path, *, arch: str = "llama", n_layers: int = 6, seed: int = 0, **kw) -> Path:
     """A tiny random model whose tokenizer really works: byte-level tokens, ChatML control tokens, a chat template."""
     merges = ["Ġ t", "h e", "Ġt he"]        # a few merges, so encoding really runs BPE
-    tokens = CONTROL + _byte_tokens() + ["Ġt", "he", "Ġthe"]
+    tokens = CONTROL + byte_chars() + ["Ġt", "he", "Ġthe"]
     kw.setdefault("context_length", 2048)
     raw = write_tiny_gguf(path.with_suffix(".raw.gguf"), arch=arch, n_layers=n_layers, vocab_size=len(tokens),
                           seed=seed, **kw)
