@@ -61,6 +61,7 @@ __all__ = [
     "ShipResult",
     "default_cache_dir",
     "complete_entry",
+    "cached_ranges",
     "serve_ship",
     "ship_range",
 ]
@@ -68,6 +69,7 @@ __all__ = [
 log = logging.getLogger("mesh.shipping")
 ErrorCode = proto.ErrorCode
 READ_AHEAD = 4  # chunks the sender reads per trip to a worker thread
+_ENTRY_RE = re.compile(r"^(\d+)-(\d+)\.gguf$")
 _FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")  # one safe path component
 
 
@@ -152,9 +154,29 @@ class ShipCache:
         return path
 
 
+    def ranges(self, fingerprint: str) -> list[tuple[int, int]]:
+        """Layer ranges of this model with a complete entry here, sorted."""
+        try:
+            folder = self.root / _check_fingerprint(fingerprint)
+            names = [p.name for p in folder.iterdir()]
+        except (ShipError, OSError):
+            return []
+        found = []
+        for name in names:
+            m = _ENTRY_RE.match(name)
+            if m and self.complete(fingerprint, int(m[1]), int(m[2])) is not None:
+                found.append((int(m[1]), int(m[2])))
+        return sorted(found)
+
+
 def complete_entry(root: str | os.PathLike, fingerprint: str, start: int, end: int) -> Path | None:
     """The cached range file a Load can use without shipping, or None."""
     return ShipCache(root).complete(fingerprint, start, end)
+
+
+def cached_ranges(root: str | os.PathLike, fingerprint: str) -> list[tuple[int, int]]:
+    """Ranges of this model a peer already holds in its cache (a planner can prefer them to shipping again)."""
+    return ShipCache(root).ranges(fingerprint)
 
 
 # One shipper per target within this process; fcntl.flock covers other processes.

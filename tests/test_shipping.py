@@ -11,8 +11,8 @@ import pytest
 
 from engine.gguf_range import plan_range_gguf
 from mesh import proto
-from mesh.shipping import (ProgressBoard, ShipAck, ShipCache, ShipProgress, ShipReceiver, complete_entry,
-                           default_cache_dir)
+from mesh.shipping import (ProgressBoard, ShipAck, ShipCache, ShipProgress, ShipReceiver, cached_ranges,
+                           complete_entry, default_cache_dir)
 from tests.test_gguf_range import write_model
 
 CHUNK = 4096
@@ -70,6 +70,8 @@ def test_full_shipment_lands_atomically_and_is_reused(cache, plan, tmp_path):
     assert leftovers(cache, plan) == ["1-3.gguf"]
     assert complete_entry(cache.root, plan.fingerprint, 1, 3) == entry
     assert complete_entry(cache.root, plan.fingerprint, 0, 2) is None
+    assert cached_ranges(cache.root, plan.fingerprint) == [(1, 3)]
+    assert cached_ranges(cache.root, "0" * 64) == [] and cached_ranges(cache.root, "../x") == []
     # A later session: the receiver already holds every byte, so nothing crosses the wire.
     offset, fed, ack = ship(cache, plan)
     assert (offset, fed, ack.code) == (plan.size, 0, ShipAck.OK)
@@ -153,6 +155,7 @@ def test_entry_of_a_different_model_is_never_used(cache, plan, tmp_path):
     target.parent.mkdir(parents=True)
     other.write_to(target)
     assert complete_entry(cache.root, plan.fingerprint, 1, 3) is None
+    assert cached_ranges(cache.root, plan.fingerprint) == []
     offset, fed, ack = ship(cache, plan)
     assert (offset, fed, ack.code) == (0, plan.size, ShipAck.OK)
     assert complete_entry(cache.root, plan.fingerprint, 1, 3) == target
