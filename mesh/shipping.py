@@ -536,10 +536,12 @@ class ProgressBoard:
             return
         self._last[key] = p.now
         if self.tty:
-            self._redraw()
-            if final:  # a finished line stays where it is, above the live ones
+            if final:  # the finished line is drawn first and stays there, above the live ones
                 self._rows.pop(key)
+                self._redraw([p, *self._rows.values()])
                 self._drawn -= 1
+            else:
+                self._redraw(list(self._rows.values()))
         else:
             self.stream.write(p.line() + (" done" if final and p.done == p.total else "") + "\n")
             if final:
@@ -548,11 +550,11 @@ class ProgressBoard:
             self._last.pop(key, None)
         self.stream.flush()
 
-    def _redraw(self) -> None:
-        out = [f"\x1b[{self._drawn}F"] if self._drawn else []
-        out += [f"\x1b[2K{p.line()}\n" for p in self._rows.values()]
+    def _redraw(self, rows: list[ShipProgress]) -> None:
+        out = [f"\x1b[{self._drawn}F"] if self._drawn else []  # back to the first live line
+        out += [f"\x1b[2K{p.line()}\n" for p in rows]
         self.stream.write("".join(out))
-        self._drawn = len(self._rows)
+        self._drawn = len(rows)
 
 
 _board: ProgressBoard | None = None

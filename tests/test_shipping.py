@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -289,9 +290,40 @@ def test_progress_line_and_board():
     board.update(p, final=True)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[-1].endswith(" done") and "100.0/100.0 MB" in lines[-1]
-    tty = io.StringIO()
-    board = ProgressBoard(tty, tty=True)
-    q = ShipProgress("peer-b", total=10, started=0.0)
-    board.update(p)
-    board.update(q)
-    assert tty.getvalue().count("\x1b[1F") == 1  # the second draw moved up over the first line
+
+
+def render(ansi: str) -> list[str]:
+    """What a terminal shows for the board's output: newlines, 'cursor up n lines' and 'clear line' only."""
+    screen, row = [""], 0
+    for token in re.split(r"(\x1b\[\d*[FK]|\n)", ansi):
+        if token == "\n":
+            row += 1
+            screen += [""] * (row + 1 - len(screen))
+        elif token.endswith("F"):
+            row -= int(token[2:-1])
+        elif token == "\x1b[2K":
+            screen[row] = ""
+        else:
+            screen[row] += token
+    return screen[:-1] if screen[-1] == "" else screen
+
+
+def test_board_on_a_terminal_keeps_one_line_per_shipment():
+    out = io.StringIO()
+    board = ProgressBoard(out, tty=True)
+    a = ShipProgress("peer-a", total=100, started=0.0)
+    b = ShipProgress("peer-b", total=100, started=0.0)
+    for t in range(1, 4):
+        a.update(10 * t, float(t))
+        board.update(a)
+        b.update(20 * t, float(t))
+        board.update(b)
+    assert render(out.getvalue()) == [a.line(), b.line()]
+    b.update(100, 4.0)
+    board.update(b, final=True)  # b finishes first: its last line moves above a's live one and stays
+    a.update(50, 5.0)
+    board.update(a)
+    assert render(out.getvalue()) == [b.line(), a.line()]
+    a.update(100, 6.0)
+    board.update(a, final=True)
+    assert render(out.getvalue()) == [b.line(), a.line()]
