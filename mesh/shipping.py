@@ -20,7 +20,8 @@ zero once. One shipper per target: an in-process claim registry plus `fcntl.floc
 coordinators, or two processes sharing one cache) -- the second is refused BUSY until the first lets go.
 
 `ShipReceiver` is the receiver's logic, sans-IO: fed events, it returns the event to send back; its only I/O is the
-cache directory, through an injectable `write`. `serve_ship` and `ship_range` are the trio glue over a Link.
+cache directory (chunks through an injectable `write`), and it hashes on a helper thread so that hashing overlaps
+receiving. `serve_ship` and `ship_range` are the trio glue over a Link.
 """
 from __future__ import annotations
 
@@ -646,7 +647,9 @@ async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | N
     Resumes from whatever the receiver holds; if a resumed file fails its hash, re-ships once from zero.
     `digest_memo` is a directory where the file's SHA-256 is remembered (see RangePlan.sha256), so a restarted
     coordinator resumes without first re-reading the whole range.
-    Raises ShipBusy when another shipper holds the target, ShipFailed when the receiver reports a failure.
+    Raises ShipBusy when another shipper holds the target, ShipFailed when the receiver reports a failure or the
+    source cannot be read; a bad source or range raises the planner's RangeGGUFError before anything is sent; Link
+    errors propagate.
     """
     if isinstance(source, RangePlan):
         plan = source
