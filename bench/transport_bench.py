@@ -1,6 +1,7 @@
 """Raw TCP against our WebSocket stream on loopback, side by side: 4 KB round trip and throughput both ways.
 
     .venv/bin/python bench/transport_bench.py [--rounds 2000] [--mib 256] [--chunk-kib 1024] [--repeat 3]
+    .venv/bin/python bench/transport_bench.py --cpu    # WebSocket CPU cost, both ends in this process
 
 The server runs in a child process (as a real peer would), on one `serve_listener` port that takes both the raw and
 the WebSocket client; the client dials `host:port` and `ws://host:port`. Each client stream opens with one mode
@@ -22,7 +23,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transport import dial, serve_listener  # noqa: E402
+from transport import dial, serve_listener, ws_accept, ws_connect  # noqa: E402
 
 
 async def receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
@@ -132,14 +133,69 @@ async def client(port: int, args: argparse.Namespace) -> None:
           f"{ws[3] / tcp[3]:>13.2f}x")
 
 
+async def cpu_costs(args: argparse.Namespace) -> None:
+    """CPU time of both WebSocket ends over a socketpair: a figure that a loaded machine's scheduling does not blur."""
+
+    async def pair(direction: str) -> tuple[trio.abc.Stream, trio.abc.Stream]:
+        a, b = trio.socket.socketpair()
+        ends: dict[str, trio.abc.Stream] = {}
+
+        async def accept() -> None:
+            ends["server"] = await ws_accept(trio.SocketStream(b))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept)
+            ends["client"] = await ws_connect(trio.SocketStream(a), "bench:1", "/")
+        return (ends["client"], ends["server"]) if direction == "up" else (ends["server"], ends["client"])
+
+    async def bulk(direction: str, total: int, chunk: int) -> float:
+        tx, rx = await pair(direction)
+        block = memoryview(b"\x5a" * chunk)
+
+        async def send() -> None:
+            for start in range(0, total, chunk):
+                await tx.send_all(block[: min(chunk, total - start)])
+
+        t0 = time.process_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            got = 0
+            while got < total:
+                got += len(await rx.receive_some())
+        return (time.process_time() - t0) / (total / 2**20)
+
+    async def lockstep(direction: str, count: int, size: int) -> float:
+        tx, rx = await pair(direction)
+        message = b"\xa5" * size
+        t0 = time.process_time()
+        for _ in range(count):  # each message its own read, as in a decode hop
+            await tx.send_all(message)
+            got = 0
+            while got < size:
+                got += len(await rx.receive_some())
+        return (time.process_time() - t0) / count
+
+    total, chunk = args.mib * 1024 * 1024, args.chunk_kib * 1024
+    print(f"WebSocket CPU, both ends in one process over a socketpair; median of {args.repeat} runs; "
+          f"up = client to server (masked)")
+    for direction in ("up", "down"):
+        per_mib = statistics.median([await bulk(direction, total, chunk) for _ in range(args.repeat)])
+        per_msg = statistics.median([await lockstep(direction, args.rounds, 2048) for _ in range(args.repeat)])
+        print(f"{direction:6}{per_mib * 1e3:>8.2f} ms per MiB{per_msg * 1e6:>8.1f} us per 2 KB message")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--chunk-kib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="measure the WebSocket's CPU cost in this process")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu:
+        trio.run(cpu_costs, args)
+        return
     if args.serve:
         trio.run(serve)
         return

@@ -27,10 +27,10 @@ from .errors import HandshakeError, WebSocketError
 
 # The protocol's largest frame is 64 MiB of payload plus its header; a send_all of one frame must cross as one message.
 DEFAULT_MAX_MESSAGE: Final = 64 * 1024 * 1024 + 64 * 1024
-# Outgoing frame size. wsproto copies a frame's payload several times (and masks it byte-strided on the client):
-# 1 MiB frames were the fastest measured (64 KiB-4 MiB), and keep a 64 MiB message's copies small.
-FRAME_BYTES: Final = 1024 * 1024
-# How much one read from the inner stream asks for; wsproto turns each read into at most a few events.
+# Outgoing frame size, and how much one read from the inner stream asks for. wsproto allocates a few fresh copies
+# of every frame (and of every read it parses); at 512 KiB and up glibc serves and returns them by mmap/trim, and
+# page faults double the CPU per MiB. 256 KiB measured best (64 KiB-4 MiB tried): NOTES.md, Transport.
+FRAME_BYTES: Final = 256 * 1024
 READ_BYTES: Final = 256 * 1024
 # How long aclose waits for the peer's Close after sending ours: a lingering close, as web servers do it. Closing a
 # TCP socket with unread input sends a reset, which can destroy our own last bytes still in flight. Not a caller
