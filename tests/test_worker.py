@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # each test starts a process that imports tinygra
 
 async def test_ready_carries_the_probe_and_events_carry_the_envelope():
     async with open_worker(device="CPU") as w:
-        assert w.ready.probe == (2, 4, 6) and w.ready.device == "CPU"
+        assert w.ready.probe == (2, 4, 6) and w.ready.device in ("CPU", "CPU:X86")  # X86: no usable clang
         os.kill(w.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the worker too; its client decides
         with pytest.raises(WorkerCommandError):
             await w.reset()
