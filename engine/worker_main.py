@@ -132,7 +132,6 @@ class WorkerLoop:
             raise _Refuse(f"{type(exc).__name__}: {exc}") from None
         load_ms = (time.perf_counter() - t0) * 1000
         self.stage = stage
-        self.n_slots, self.max_context = cmd.n_slots, cmd.max_context
         self.last_step_id = -1
         return Loaded(WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
                                  act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),

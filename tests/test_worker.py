@@ -81,6 +81,14 @@ async def test_killed_worker_is_reported_while_a_caller_waits():
             await w.reset()
 
 
+async def test_a_worker_that_exits_reports_its_exit_code():
+    async with open_worker(device="CPU") as w:
+        await w.process.stdin.aclose()  # EOF on its commands: the worker leaves quietly, code 0
+        with trio.fail_after(10), pytest.raises(WorkerDied) as info:
+            await w.reset()
+        assert info.value.exit_code == 0 and info.value.signal is None and "exited with code 0" in str(info.value)
+
+
 async def test_corrupt_ingress_record_is_a_fatal_naming_the_field():
     from engine.stage import Column, Sampling
     async with open_worker(device="CPU") as w:
