@@ -246,3 +246,22 @@ async def test_a_stalled_receiver_bounds_what_is_in_flight(model, cache):
     # Frames cost their header too, and a frame may overrun the credit by one: the window plus one chunk.
     assert worst[0] <= window + CHUNK
     assert hashlib.sha256(cache.entry(plan.fingerprint, 0, 4).read_bytes()).digest() == plan.sha256()
+
+
+@pytest.mark.parametrize("answer,why", [
+    (proto.ShipResume(10**9), "expected ShipResume within"),
+    (proto.Error(proto.ErrorCode.BAD_REQUEST, "fingerprint '..' is not a safe cache directory name"),
+     "refused the shipment: fingerprint"),
+    (proto.Ack(proto.MsgType.LOAD, 0, ""), "expected ShipResume"),
+])
+async def test_a_wrong_answer_to_ship_begin_fails_clearly(model, answer, why):
+    plan = plan_range_gguf(model, 0, 2)
+    async with link_pair() as (coord, peer):
+        async def bad_peer():
+            assert isinstance(await peer.receive(), proto.ShipBegin)
+            await peer.send(answer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bad_peer)
+            with pytest.raises(ShipFailed, match=why):
+                await ship_range(coord, plan, board=ProgressBoard(io.StringIO(), tty=False))
