@@ -136,7 +136,10 @@ class Fleet:
     async def send_vocab(self) -> None:
         vocab = proto.Vocab(tuple(self.tokenizer.token_bytes(i) for i in range(self.tokenizer.vocab_size)))
         for m in self.members:
-            await m.link.send(vocab)
+            try:
+                await m.link.send(vocab)
+            except LinkError as exc:
+                raise FleetError(f"{m.name} is gone: {exc}") from None
 
 
 async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -199,11 +202,13 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
     forced = (k + 1) in fleet.cfg.webrtc_hops and not sink
     direct_error = "skipped: --webrtc-hops"
     if not forced:
-        await m.link.send(proto.Chain(addr, sink))
         try:
+            await m.link.send(proto.Chain(addr, sink))
             ack = await m.link.receive()
         except RemoteError as exc:
             ack = proto.Ack(proto.MsgType.CHAIN, 1, exc.reason)
+        except LinkError as exc:
+            raise HopError(f"hop {k + 1}: {m.name} is gone: {exc}") from None
         if isinstance(ack, proto.Ack) and ack.code == 0:
             return
         direct_error = getattr(ack, "reason", type(ack).__name__)
@@ -258,9 +263,16 @@ class Coordinator:
     async def answer(self, pipe: Pipeline, prompt_ids: list[int], *, max_tokens: int, sampling: Sampling,
                      resume_from: int = 0, stream_to=None, on_token=None) -> list[int]:
         decoder = StreamDecoder(self.tokenizer)
+        waiting_first = [True]
         eos = self.tokenizer.eos_ids
 
+        started = trio.current_time()
+
         def on_each(tok: int) -> None:
+            if waiting_first[0]:
+                waiting_first[0] = False
+                log.info("first token after %.2fs (%d prompt tokens); decoding", trio.current_time() - started,
+                         len(prompt_ids))
             if on_token is not None:
                 on_token(tok)
             if stream_to is not None and tok not in eos:

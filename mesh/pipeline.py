@@ -29,6 +29,13 @@ class LocalStage(Protocol):
     async def rollback(self, slot, pos): ...
 
 
+async def _send(link, ev, who: str) -> None:
+    try:
+        await link.send(ev)
+    except LinkError as exc:
+        raise SessionError(f"{who} is gone: {exc}") from None
+
+
 async def _receive(link, kind, who: str):
     try:
         ev = await link.receive()
@@ -84,8 +91,8 @@ class HubPipeline(Pipeline):
         self._pending: dict[int, tuple[list[Column], Sampling]] = {}
 
     async def _send_inband(self, ev) -> None:
-        for link in self.links:
-            await link.send(ev)
+        for link, name in zip(self.links, self.names):
+            await _send(link, ev, name)
 
     async def submit(self, cols, sampling) -> int:
         group = self.next_group()
@@ -97,7 +104,7 @@ class HubPipeline(Pipeline):
         hidden = await self._local(cols, sampling)
         wire_cols, wire_sampling = to_wire_columns(cols), to_wire_sampling(sampling)
         for k, (link, name) in enumerate(zip(self.links, self.names)):
-            await link.send(proto.BatchStep(group, len(cols) > 16, wire_cols, hidden, wire_sampling))
+            await _send(link, proto.BatchStep(group, len(cols) > 16, wire_cols, hidden, wire_sampling), name)
             last = k == len(self.links) - 1
             ev = await _receive(link, proto.Tokens if last else proto.Hidden, name)
             if ev.group != group:
@@ -118,13 +125,13 @@ class ChainPipeline(Pipeline):
         self.sink_receive = sink_receive
 
     async def _send_inband(self, ev) -> None:
-        await self.first.send(ev)    # each stage applies it and forwards it ahead of the next step
+        await _send(self.first, ev, self.names[0])    # each stage applies it and forwards it ahead of the next step
 
     async def submit(self, cols, sampling) -> int:
         group = self.next_group()
         hidden = await self._local(cols, sampling)
-        await self.first.send(proto.BatchStep(group, len(cols) > 16, to_wire_columns(cols), hidden,
-                                              to_wire_sampling(sampling)))
+        await _send(self.first, proto.BatchStep(group, len(cols) > 16, to_wire_columns(cols), hidden,
+                                                to_wire_sampling(sampling)), self.names[0])
         return group
 
     async def collect(self, group: int) -> tuple[int, ...]:
