@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.gguf_range import CHUNK_BYTES, plan_range_gguf  # noqa: E402
 
 TOKEN = b"ship-bench-token"
+CHUNK = [CHUNK_BYTES]  # the mesh sender's chunk size (--chunk)
 CPU = [0.0]  # the receiver's CPU seconds (all threads) from accepting the connection to its end
 
 
@@ -176,7 +177,7 @@ async def _send_mesh(host: str, port: int, plan) -> tuple[float, float]:
     with open(os.devnull, "w") as quiet:
         async with open_link(stream, token=TOKEN, role="client") as link:
             t0, c0 = time.perf_counter(), time.process_time()
-            result = await ship_range(link, plan, board=ProgressBoard(quiet, tty=False))
+            result = await ship_range(link, plan, board=ProgressBoard(quiet, tty=False), chunk=CHUNK[0])
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             assert result.sent_bytes == plan.size, result
             await link.send(proto.Shutdown())
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rate", default=None,
                     help="shape the wire to this tc rate (e.g. 1gbit) through a network namespace; needs root")
+    ap.add_argument("--chunk", type=int, default=CHUNK_BYTES, help="mesh chunk size in bytes (default 1 MiB)")
     ap.add_argument("--serve", choices=["plain", "mesh"], help=argparse.SUPPRESS)
     ap.add_argument("--where", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -211,6 +213,7 @@ def main() -> None:
         serve_main(args.serve, args.where, args.host)
         return
     global SHAPED
+    CHUNK[0] = args.chunk
     if args.rate:
         SHAPED = Shaped(args.rate)
     try:
