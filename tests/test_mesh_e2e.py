@@ -134,13 +134,13 @@ def test_modelless_peers_receive_their_layers(model, reference, tmp_path):
     port = free_port()
     with processes() as start:
         for i in range(2):
-            peer(start, port, "--cache-dir", str(tmp_path / f"cache{i}"))
-        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))
+            peer(start, port, "--cache-dir", str(tmp_path / f"cache{i}"), token="ship")
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2, token="ship"))
         assert code == 0, err
         assert answer["tokens"] == reference
         shipped = sorted(p.name for p in tmp_path.glob("cache*/*/*.gguf"))
         assert shipped == ["0-3.gguf", "3-6.gguf"], shipped
-        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))   # the cache is reused
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2, token="ship"))   # the cache is reused
         assert code == 0 and answer["tokens"] == reference, err
         assert "shipping" not in err
 
