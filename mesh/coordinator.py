@@ -95,11 +95,13 @@ class Fleet:
             if r.fingerprint and r.fingerprint != self.meta.fingerprint:
                 raise FleetError(f"{r.name} holds a different model (fingerprint {r.fingerprint[:16]}, "
                                  f"the coordinator's {self.cfg.model.name} is {self.meta.fingerprint[:16]})")
-        try:
-            ranges = plan_fleet(self.first_layer, self.meta.n_layers, reports)
-        except PlanError as exc:
-            raise FleetError(str(exc)) from None
-        if any(not r.pinned for r in reports):
+        ranges = self._keep_loaded(reports)
+        if ranges is None:
+            try:
+                ranges = plan_fleet(self.first_layer, self.meta.n_layers, reports)
+            except PlanError as exc:
+                raise FleetError(str(exc)) from None
+        if any(not r.pinned for r in reports) and ranges != [(r.start, r.end) for r in reports]:
             log.info("auto-split: layers %d..%d over %d peers -> %s", self.first_layer, self.meta.n_layers,
                      len(members), ", ".join(f"{a}..{b}" for a, b in ranges))
         acks = await _rpc_all(members, lambda m: proto.Load(*ranges[members.index(m)], self.meta.n_layers,
@@ -120,10 +122,23 @@ class Fleet:
         except PlanError as exc:
             raise FleetError(str(exc)) from None
 
+    def _keep_loaded(self, reports: list[StageReport]) -> list[tuple[int, int]] | None:
+        """The ranges the peers already hold, if they already form a valid chain of this model: a fleet that
+        re-forms (the next session, a restarted coordinator) keeps its layout instead of reshuffling and reloading."""
+        if not all(r.loaded and r.fingerprint == self.meta.fingerprint for r in reports):
+            return None
+        order = sorted(reports, key=lambda r: r.start)
+        try:
+            validate_chain(self.first_layer, order, self.meta.fingerprint)
+        except PlanError:
+            return None
+        return [(r.start, r.end) for r in reports]
+
     async def _ship(self, m: Member, r: tuple[int, int]) -> None:
-        from mesh.shipping import ship_range
+        from mesh.shipping import default_cache_dir, ship_range
         log.info("%s has no model: shipping layers %d..%d", m.name, *r)
-        await ship_range(m.link, self.cfg.model, r[0], r[1], label=m.name)
+        # The memo keeps the range file's SHA-256, so a restarted coordinator resumes without re-reading the range.
+        await ship_range(m.link, self.cfg.model, r[0], r[1], label=m.name, digest_memo=default_cache_dir() / "digests")
         await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.meta.fingerprint))
         try:
             ack = await m.link.receive()
