@@ -52,18 +52,20 @@ def tensor_info(g: GGUFFile, name: str, shape: tuple[int, ...]) -> TensorInfo:
     return info
 
 
-def read_rows(g: GGUFFile, info: TensorInfo) -> np.ndarray:
-    """The raw bytes of one tensor, shaped (rows, bytes per row)."""
+def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None) -> np.ndarray:
+    """The raw bytes of rows [r0, r1) of one tensor (all rows by default), shaped (rows, bytes per row)."""
+    n_rows = info.shape[0] if len(info.shape) > 1 else 1
+    r1 = n_rows if r1 is None else min(r1, n_rows)
+    row_bytes = info.nbytes // n_rows
     try:
         with open(g.path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.nbytes)
+            f.seek(info.offset + r0 * row_bytes)
+            raw = f.read((r1 - r0) * row_bytes)
     except OSError as e:
         raise ModelFormatError(f"{g.path}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
-    if len(raw) != info.nbytes:
+    if len(raw) != (r1 - r0) * row_bytes:
         raise ModelFormatError(f"{g.path}: truncated while reading tensor {info.name!r}")
-    rows = info.shape[0] if len(info.shape) > 1 else 1
-    return np.frombuffer(raw, dtype=np.uint8).reshape(rows, -1)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, row_bytes)
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -113,6 +115,9 @@ def to_q8(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: int = 0) -> Weight:
     """Read one tensor and materialise it: dequantized to f32/f16, or kept as raw quant blocks ('quant')."""
+    if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
+        whole = unpermute_rope_rows(read_rows(g, info), rope_heads) if rope_heads else None
+        return _load_q8(g, info, whole)
     rows = read_rows(g, info)
     if rope_heads:
         rows = unpermute_rope_rows(rows, rope_heads)
@@ -122,12 +127,24 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
         return Weight(raw.contiguous().realize(), info.shape, info.ggml_type)
     n = int(np.prod(info.shape))
     dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
-    if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
-        q, scale = to_q8(dense.cast(dtypes.float32).numpy())
-        return Weight(Tensor(q).realize(), info.shape, scale=Tensor(scale).realize())
     # norms and biases stay f32: they are tiny and feed every activation
     dtype = dtypes.float16 if mode != "f32" and len(info.shape) > 1 else dtypes.float32
     return Weight(dense.cast(dtype).contiguous().realize(), info.shape)
+
+
+Q8_CHUNK_ROWS = 1024  # rows converted at a time: bounds the f32 intermediates (the tied head is 49152 rows)
+
+
+def _load_q8(g: GGUFFile, info: TensorInfo, whole: np.ndarray | None) -> Weight:
+    """Convert a tensor to q8 a chunk of rows at a time, reading each chunk from the file as it goes."""
+    n_rows, cols = info.shape
+    q = np.empty((n_rows, cols), dtype=np.int8)
+    scale = np.empty((n_rows, cols // Q8_BLOCK, 1), dtype=np.float32)
+    for r0 in range(0, n_rows, Q8_CHUNK_ROWS):
+        part = whole[r0:r0 + Q8_CHUNK_ROWS] if whole is not None else read_rows(g, info, r0, r0 + Q8_CHUNK_ROWS)
+        dense = ggml_data_to_tensor(Tensor(part).flatten(), part.shape[0] * cols, info.ggml_type)
+        q[r0:r0 + len(part)], scale[r0:r0 + len(part)] = to_q8(dense.cast(dtypes.float32).numpy().reshape(len(part), cols))
+    return Weight(Tensor(q).realize(), info.shape, scale=Tensor(scale).realize())
 
 
 class EmbeddingTable:

@@ -1,6 +1,7 @@
 """A pipeline stage: layers [start, end) of a GGUF model, its KV slots, and the step that runs columns through it."""
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,15 @@ class Column:
     slot: int
     needs_logits: bool = False
     token: int = 0
+
+
+def _release_freed_memory() -> None:
+    """Hand the load's freed intermediates back to the OS: glibc keeps freed heap pages, and after the first large
+    free it raises its mmap threshold, so the per-tensor scratch arrays of a load would otherwise stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 PREFILL_MIN = 8  # smallest padded prefill: shorter prompts share one set of kernels
@@ -98,6 +108,7 @@ class Stage:
             out = load_weight(g, tensor_info(g, out_name, (meta.vocab_size, D)), weights)
             weight_bytes += norm.nbytes + out.nbytes
             head = Head(norm, out, meta.norm_eps)
+        _release_freed_memory()
         return cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
                    weight_bytes=weight_bytes, use_jit=jit)
 
@@ -219,6 +230,9 @@ class Stage:
                 fn = partial(self._graph, shape)
                 if self._use_jit:
                     fn = self._jits[shape] = TinyJit(fn)
+                    # capture on the first call: all inputs and weights are realized before it, so there are no
+                    # one-time kernels to leave out, and scheduling 30 layers twice would double the first token
+                    fn.cnt = 1
             binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
                     [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
             out = fn(Tensor(x_np).realize(), Tensor(cos_np).realize(), Tensor(sin_np).realize(), *binds).numpy()
