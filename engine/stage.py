@@ -71,8 +71,9 @@ class Stage:
         check_range(meta, start, end)
         if n_slots < 1:
             raise RangeError(f"{path}: n_slots must be at least 1, got {n_slots}")
-        if not 1 <= max_context <= meta.context_length:
-            raise RangeError(f"{path}: max_context {max_context} is outside [1, {meta.context_length}]")
+        if max_context < 1:
+            raise RangeError(f"{path}: max_context must be at least 1, got {max_context}")
+        max_context = min(max_context, meta.context_length)  # the model was not trained past its context
         if kv_dtype not in _KV_DTYPES or weights not in ("f32", "f16", "q8", "quant"):
             raise EngineError(f"unknown weights={weights!r} or kv_dtype={kv_dtype!r}")
         first, last = start == 0, end == meta.n_layers

@@ -112,7 +112,8 @@ def test_range_validation(llama):
         with pytest.raises(RangeError, match=rf"llama\.gguf: layer range \[{start}, {end}\)"):
             Stage.load(llama, start, end)
     with pytest.raises(RangeError, match="max_context"):
-        Stage.load(llama, 0, 1, max_context=100_000)
+        Stage.load(llama, 0, 1, max_context=0)
+    assert Stage.load(llama, 0, 1, max_context=100_000).max_context == 512  # clamped to the model's context
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
