@@ -1,20 +1,28 @@
 """GGUF header parsing: metadata KV, tensor table, and the model description derived from them.
 
-Reads only the header (never tensor data). We parse the header ourselves rather than through
-`gguf.GGUFReader`: the reader materialises every tokenizer string as a numpy array and took 2.8 s on
-SmolLM2's header here; this parser skips string arrays by length and takes a few tens of milliseconds.
-The `gguf` package still supplies the type tables (value types, quant block sizes).
+This is the engine's one GGUF header reader: `read_gguf` (weights, model description, fingerprint),
+`read_metadata` (the tokenizer's keys) and `engine.gguf_range` (which copies metadata pairs byte for byte) all
+parse through `_parse`. It reads only the header (never tensor data, apart from the fingerprint's samples).
+
+We parse the header ourselves rather than through `gguf.GGUFReader`: that reader materialises every tokenizer
+string as a numpy array and takes 2.4-3.3 s on SmolLM2's header here; this parser walks a memory map, skips
+string arrays by their lengths (or decodes only the ones a caller names) and takes a few tens of milliseconds.
+The `gguf` package still supplies the tables (value types, quant block sizes, magic, default alignment).
 """
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelFormatError, UnsupportedModel
 
@@ -27,19 +35,22 @@ _MAX_KV = 1 << 16
 _MAX_TENSORS = 1 << 20
 _MAX_DIMS = 4
 
-_SCALARS: dict[int, tuple[str, int]] = {
-    GGUFValueType.UINT8: ("<B", 1), GGUFValueType.INT8: ("<b", 1),
-    GGUFValueType.UINT16: ("<H", 2), GGUFValueType.INT16: ("<h", 2),
-    GGUFValueType.UINT32: ("<I", 4), GGUFValueType.INT32: ("<i", 4),
-    GGUFValueType.FLOAT32: ("<f", 4), GGUFValueType.BOOL: ("<?", 1),
-    GGUFValueType.UINT64: ("<Q", 8), GGUFValueType.INT64: ("<q", 8),
-    GGUFValueType.FLOAT64: ("<d", 8),
+_MAGIC = struct.pack("<I", GGUF_MAGIC)  # b"GGUF"
+_U32, _U64, _TYPE_OFFSET = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<IQ")
+_SCALARS: dict[int, struct.Struct] = {
+    GGUFValueType.UINT8: struct.Struct("<B"), GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"), GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: struct.Struct("<I"), GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"), GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: struct.Struct("<Q"), GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
+_STRING, _ARRAY = int(GGUFValueType.STRING), int(GGUFValueType.ARRAY)
 
 
 @dataclass(frozen=True, slots=True)
 class StringArray:
-    """A string array from the header, kept as its length only (tokenizer vocabularies are large)."""
+    """A string array from the header that the caller did not ask to decode, kept as its length only."""
     count: int
 
 
@@ -63,10 +74,14 @@ class TensorInfo:
 class GGUFFile:
     path: Path
     kv: dict[str, Any]
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # in the order of the file's tensor table
     data_start: int
     file_size: int
     header_sha256: str
+    version: int = 3
+    alignment: int = GGUF_DEFAULT_ALIGNMENT
+    header_end: int = 0  # end of the tensor table, before the alignment padding
+    kv_raw: tuple[tuple[str, bytes], ...] = ()  # (key, the pair exactly as encoded); only when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,73 +107,115 @@ class ModelMeta:
     rope_neox: bool = True  # False: llama.cpp's NORM rope (adjacent pairs), undone at load by permuting q/k rows
 
 
-class _Reader:
-    """Bounded reads from a header; a short read means the file is truncated."""
+class _Cursor:
+    """Bounds-checked reads from the mapped file; running past its end means the header is truncated."""
 
-    def __init__(self, f: BinaryIO, path: Path) -> None:
-        self._f, self._path, self.pos = f, path, 0
+    __slots__ = ("buf", "pos", "end", "path")
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path) -> None:
+        self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
 
     def fail(self, why: str) -> ModelFormatError:
-        return ModelFormatError(f"{self._path}: {why}")
+        return ModelFormatError(f"{self.path}: {why}")
 
-    def read(self, n: int) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise self.fail(f"truncated header (wanted {n} bytes at offset {self.pos}, file ends)")
-        self.pos += n
-        return data
-
-    def skip(self, n: int) -> None:
-        self.read(n) if n < 4096 else self._skip_seek(n)
-
-    def _skip_seek(self, n: int) -> None:
-        self._f.seek(n, 1)
-        self.pos += n
-
-    def scalar(self, vtype: int) -> Any:
-        fmt, size = _SCALARS[vtype]
-        return struct.unpack(fmt, self.read(size))[0]
+    def take(self, n: int) -> int:
+        """Advance over `n` bytes; returns where they start."""
+        start = self.pos
+        if start + n > self.end:
+            raise self.fail(f"truncated header (wanted {n} bytes at offset {start}, the file has {self.end})")
+        self.pos = start + n
+        return start
 
     def u32(self) -> int:
-        return struct.unpack("<I", self.read(4))[0]
+        return _U32.unpack_from(self.buf, self.take(4))[0]
 
     def u64(self) -> int:
-        return struct.unpack("<Q", self.read(8))[0]
+        return _U64.unpack_from(self.buf, self.take(8))[0]
 
     def string(self, what: str) -> str:
         n = self.u64()
         if n > _MAX_STRING:
             raise self.fail(f"{what}: string length {n} exceeds {_MAX_STRING}")
-        raw = self.read(n)
+        at = self.take(n)
         try:
-            return raw.decode("utf-8")
+            return self.buf[at : at + n].decode("utf-8")
         except UnicodeDecodeError:
-            raise self.fail(f"{what}: string is not UTF-8") from None
+            raise self.fail(f"{what}: string at byte {at} is not UTF-8") from None
 
-    def value(self, vtype: int, key: str) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(vtype)
-        if vtype == GGUFValueType.STRING:
-            return self.string(key)
-        if vtype == GGUFValueType.ARRAY:
-            etype, count = self.u32(), self.u64()
-            if count > _MAX_ARRAY:
-                raise self.fail(f"key {key!r}: array of {count} items exceeds {_MAX_ARRAY}")
-            if etype in _SCALARS:
-                fmt, size = _SCALARS[etype]
-                return np.frombuffer(self.read(size * count), dtype=np.dtype(fmt)).copy()
-            if etype == GGUFValueType.STRING:
-                for _ in range(count):
-                    n = self.u64()
-                    if n > _MAX_STRING:
-                        raise self.fail(f"key {key!r}: string length {n} exceeds {_MAX_STRING}")
-                    self.skip(n)
-                return StringArray(count)
+    def value(self, vtype: int, key: str, expand: bool) -> Any:
+        """One metadata value. Arrays: numpy (numbers) and StringArray (strings); Python lists when `expand`."""
+        scalar = _SCALARS.get(vtype)
+        if scalar is not None:
+            return scalar.unpack_from(self.buf, self.take(scalar.size))[0]
+        if vtype == _STRING:
+            return self.string(f"key {key!r}")
+        if vtype != _ARRAY:
+            raise self.fail(f"key {key!r}: unknown value type {vtype}")
+        etype, count = self.u32(), self.u64()
+        if count > _MAX_ARRAY:
+            raise self.fail(f"key {key!r}: array of {count} items exceeds {_MAX_ARRAY}")
+        scalar = _SCALARS.get(etype)
+        if scalar is not None:
+            at = self.take(scalar.size * count)
+            items = np.frombuffer(self.buf, np.dtype(scalar.format), count, at)
+            return items.tolist() if expand else items.copy()
+        if etype != _STRING:
             raise self.fail(f"key {key!r}: unsupported array element type {etype}")
-        raise self.fail(f"key {key!r}: unknown value type {vtype}")
+        if 8 * count > self.end - self.pos:  # each string is at least its length word: refuse absurd counts early
+            raise self.fail(f"truncated header (key {key!r}: {count} strings cannot fit in the file)")
+        return self._strings(key, count) if expand else self._skip_strings(key, count)
+
+    # The two loops below are the hot path (a vocabulary is ~10^5 strings): locals only, no method calls.
+    def _strings(self, key: str, count: int) -> list[str]:
+        buf, pos, end, length = self.buf, self.pos, self.end, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        try:
+            for _ in range(count):
+                n = length(buf, pos)[0] if pos + 8 <= end else end
+                pos += 8
+                if pos + n > end:
+                    break
+                append(buf[pos : pos + n].decode("utf-8"))
+                pos += n
+        except UnicodeDecodeError:
+            raise self.fail(f"key {key!r}: item {len(out)} is not UTF-8") from None
+        if len(out) < count:
+            raise self.fail(f"truncated header (key {key!r}: item {len(out)} of {count} runs past the file's end)")
+        self.pos = pos
+        return out
+
+    def _skip_strings(self, key: str, count: int) -> StringArray:
+        buf, pos, end, length = self.buf, self.pos, self.end, _U64.unpack_from
+        for i in range(count):
+            n = length(buf, pos)[0] if pos + 8 <= end else end
+            pos += 8 + n
+            if pos > end:
+                raise self.fail(f"truncated header (key {key!r}: item {i} of {count} runs past the file's end)")
+        self.pos = pos
+        return StringArray(count)
 
 
-def _tensor_nbytes(r: _Reader, name: str, ne: tuple[int, ...], ggml_type: int) -> int:
+@contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap | bytes]:
+    """The file's bytes, memory-mapped (an empty file maps to b"", which then reads as truncated)."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot open ({e.strerror or e})") from None
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        try:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{path}: cannot map ({e})") from None
+        with m:
+            yield m
+
+
+def _tensor_nbytes(r: _Cursor, name: str, ne: tuple[int, ...], ggml_type: int) -> int:
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
@@ -171,66 +228,104 @@ def _tensor_nbytes(r: _Reader, name: str, ne: tuple[int, ...], ggml_type: int) -
     return n // block * size
 
 
+@dataclass(frozen=True, slots=True)
+class _Header:
+    version: int
+    kv: dict[str, Any]
+    kv_raw: tuple[tuple[str, bytes], ...]
+    tensors: dict[str, TensorInfo]
+    alignment: int
+    header_end: int
+    data_start: int
+
+
+def _parse(buf: mmap.mmap | bytes, path: Path, *, expand: tuple[str, ...] = (), raw_kv: bool = False,
+           tensor_table: bool = True) -> _Header:
+    """The one GGUF header parser. `expand`: key prefixes whose arrays become Python lists (strings decoded);
+    `raw_kv`: also keep each pair's encoded bytes; `tensor_table=False`: stop after the metadata."""
+    r = _Cursor(buf, path)
+    if buf[:4] != _MAGIC:
+        raise r.fail("not a GGUF file (bad magic)")
+    r.pos = 4
+    version = r.u32()
+    if version not in (2, 3):
+        hint = " (big-endian GGUF is not supported)" if version and not version & 0xFFFF else ""
+        raise r.fail(f"unsupported GGUF version {version}{hint}")
+    n_tensors, n_kv = r.u64(), r.u64()
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
+        raise r.fail(f"implausible counts ({n_tensors} tensors, {n_kv} keys) in the header")
+    kv: dict[str, Any] = {}
+    kv_raw: list[tuple[str, bytes]] = []
+    for _ in range(n_kv):
+        start = r.pos
+        key = r.string("metadata key")
+        if key in kv:
+            raise r.fail(f"metadata key {key!r} appears twice")
+        kv[key] = r.value(r.u32(), key, bool(expand) and key.startswith(expand))
+        if raw_kv:
+            kv_raw.append((key, buf[start : r.pos]))
+    if not tensor_table:
+        return _Header(version, kv, tuple(kv_raw), {}, 0, r.pos, 0)
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = r.string("tensor name")
+        n_dims = r.u32()
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise r.fail(f"tensor {name!r}: {n_dims} dimensions")
+        ne = struct.unpack_from(f"<{n_dims}Q", buf, r.take(8 * n_dims))
+        raw_infos.append((name, ne, *_TYPE_OFFSET.unpack_from(buf, r.take(12))))
+    header_end = r.pos
+    alignment = kv.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise r.fail(f"general.alignment {alignment!r} is not a power of two")
+    data_start = -(-header_end // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    for name, ne, ggml_type, off in raw_infos:
+        nbytes = _tensor_nbytes(r, name, ne, ggml_type)
+        if off % alignment:
+            raise r.fail(f"tensor {name!r}: offset {off} is not aligned to {alignment}")
+        start = data_start + off
+        if start + nbytes > r.end:
+            raise r.fail(f"truncated: tensor {name!r} needs bytes up to {start + nbytes}, the file has {r.end}")
+        if name in tensors:
+            raise r.fail(f"tensor {name!r} appears twice")
+        tensors[name] = TensorInfo(name, tuple(reversed(ne)), ggml_type, start, nbytes)
+    return _Header(version, kv, tuple(kv_raw), tensors, alignment, header_end, data_start)
+
+
 _SAMPLE = 4096  # bytes hashed from each end of every tensor for the fingerprint
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse the GGUF header at `path`: metadata, tensor table, and bounds checks against the file size."""
+def _fingerprint(buf: mmap.mmap | bytes, h: _Header) -> str:
+    # Identity: the header (metadata + tensor table) and a sample of every tensor's bytes. The header alone
+    # cannot tell two fine-tunes of one architecture apart; the samples can, for a few KiB read per tensor.
+    sha = hashlib.sha256(buf[: h.header_end])
+    for t in h.tensors.values():
+        for at in sorted({t.offset, max(t.offset, t.offset + t.nbytes - _SAMPLE)}):
+            sha.update(buf[at : at + min(_SAMPLE, t.nbytes)])
+    return sha.hexdigest()
+
+
+def read_gguf(path: str | Path, *, raw_kv: bool = False) -> GGUFFile:
+    """Parse the GGUF header at `path`: metadata, tensor table, bounds checks against the file size, fingerprint.
+
+    `raw_kv=True` also keeps every metadata pair's encoded bytes (`GGUFFile.kv_raw`), for copying them verbatim.
+    """
     path = Path(path)
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot open ({e.strerror or e})") from None
-    with f:
-        file_size = path.stat().st_size
-        r = _Reader(f, path)
-        if r.read(4) != b"GGUF":
-            raise r.fail("not a GGUF file (bad magic)")
-        version = r.u32()
-        if version not in (2, 3):
-            raise r.fail(f"unsupported GGUF version {version}")
-        n_tensors, n_kv = r.u64(), r.u64()
-        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-            raise r.fail(f"implausible header counts ({n_tensors} tensors, {n_kv} keys)")
-        kv: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = r.string("metadata key")
-            kv[key] = r.value(r.u32(), key)
-        raw_infos = []
-        for _ in range(n_tensors):
-            name = r.string("tensor name")
-            n_dims = r.u32()
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise r.fail(f"tensor {name!r}: {n_dims} dimensions")
-            ne = tuple(r.u64() for _ in range(n_dims))
-            raw_infos.append((name, ne, r.u32(), r.u64()))
-        header_end = r.pos
-        alignment = int(kv.get("general.alignment", 32))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise r.fail(f"general.alignment {alignment} is not a power of two")
-        data_start = -(-header_end // alignment) * alignment
-        tensors: dict[str, TensorInfo] = {}
-        for name, ne, ggml_type, off in raw_infos:
-            nbytes = _tensor_nbytes(r, name, ne, ggml_type)
-            if off % alignment:
-                raise r.fail(f"tensor {name!r}: offset {off} is not aligned to {alignment}")
-            start = data_start + off
-            if start + nbytes > file_size:
-                raise r.fail(f"truncated: tensor {name!r} needs bytes up to {start + nbytes}, file has {file_size}")
-            if name in tensors:
-                raise r.fail(f"tensor {name!r} appears twice")
-            tensors[name] = TensorInfo(name, tuple(reversed(ne)), ggml_type, start, nbytes)
-        # Identity: the header (metadata + tensor table) and a sample of every tensor's bytes. The header alone
-        # cannot tell two fine-tunes of one architecture apart; the samples can, for a few KiB read per tensor.
-        h = hashlib.sha256()
-        f.seek(0)
-        h.update(f.read(header_end))
-        for t in tensors.values():
-            for at in sorted({t.offset, max(t.offset, t.offset + t.nbytes - _SAMPLE)}):
-                f.seek(at)
-                h.update(f.read(min(_SAMPLE, t.nbytes)))
-        digest = h.hexdigest()
-    return GGUFFile(path, kv, tensors, data_start, file_size, digest)
+    with _mapped(path) as buf:
+        h = _parse(buf, path, raw_kv=raw_kv)
+        digest = _fingerprint(buf, h)
+        size = len(buf)
+    return GGUFFile(path, h.kv, h.tensors, h.data_start, size, digest, h.version, h.alignment, h.header_end,
+                    h.kv_raw)
+
+
+def read_metadata(path: str | Path, *, expand: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The metadata section alone (the tensor table is not read). Arrays under the key prefixes in `expand` come
+    back as Python lists, strings decoded; the rest as numpy arrays and `StringArray` lengths (cheap to skip)."""
+    path = Path(path)
+    with _mapped(path) as buf:
+        return _parse(buf, path, expand=expand, tensor_table=False).kv
 
 
 def _need(g: GGUFFile, key: str) -> Any:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import mmap
 import os
 import re
 import struct
@@ -29,7 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGUF_MAGIC, GGUFValueType
+
+from .errors import ModelFormatError
+from .gguf_meta import GGUFFile, meta_from_gguf, read_gguf
 
 __all__ = [
     "CHUNK_BYTES",
@@ -46,9 +48,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20  # one wire chunk; big enough that per-chunk overhead vanishes, small for the credit window
-DEFAULT_ALIGNMENT = 32
-GGUF_MAGIC = b"GGUF"
-OUT_VERSION = 3
+OUT_VERSION = 3  # the layout this module writes
 
 KEY_FINGERPRINT = "mesh.source.fingerprint"
 KEY_SOURCE_DEPTH = "mesh.source.block_count"
@@ -56,14 +56,8 @@ KEY_RANGE_START = "mesh.range.start"
 KEY_RANGE_END = "mesh.range.end"
 _MESH_KEYS = (KEY_FINGERPRINT, KEY_SOURCE_DEPTH, KEY_RANGE_START, KEY_RANGE_END)
 
-# GGUF value types: fixed-size scalars as struct formats; 8 = string, 9 = array.
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_T_STRING, _T_ARRAY, _T_UINT32 = 8, 9, 4
+_T_STRING, _T_UINT32 = int(GGUFValueType.STRING), int(GGUFValueType.UINT32)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
-# Bounds no real model comes near; they keep a corrupt count from driving a huge loop or allocation.
-_MAX_TENSORS = 1 << 20
-_MAX_KV = 1 << 16
-_MAX_DIMS = 8
 
 
 class RangeGGUFError(Exception):
@@ -120,147 +114,25 @@ class SourceHeader:
         return n
 
 
-class _Cursor:
-    """Bounds-checked little-endian reader over the mapped header; every overrun becomes SourceFormatError."""
-
-    __slots__ = ("buf", "pos", "path")
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise SourceFormatError(f"{self.path}: truncated header reading {what} at byte {self.pos}")
-
-    def unpack(self, fmt: str, what: str) -> tuple:
-        size = struct.calcsize(fmt)
-        self.need(size, what)
-        out = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return out
-
-    def string(self, what: str) -> str:
-        (n,) = self.unpack("<Q", what)
-        self.need(n, what)
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise SourceFormatError(f"{self.path}: {what} is not UTF-8") from None
-
-    def skip_string(self, what: str) -> None:
-        (n,) = self.unpack("<Q", what)
-        self.need(n, what)
-        self.pos += n
-
-    def value(self, vtype: int, key: str) -> object:
-        if vtype in _SCALAR:
-            return self.unpack(_SCALAR[vtype], key)[0]
-        if vtype == _T_STRING:
-            return self.string(key)
-        if vtype == _T_ARRAY:
-            (itype, count) = self.unpack("<IQ", key)
-            if itype in _SCALAR:
-                size = struct.calcsize(_SCALAR[itype])
-                self.need(size * count, key)
-                self.pos += size * count
-            elif itype == _T_STRING:
-                self.need(8 * count, key)  # each string is at least its length word: reject absurd counts early
-                for _ in range(count):
-                    self.skip_string(key)
-            else:
-                raise SourceFormatError(f"{self.path}: key {key!r} has an array of unsupported type {itype}")
-            return None
-        raise SourceFormatError(f"{self.path}: key {key!r} has unknown value type {vtype}")
-
-
-def _tensor_nbytes(path: Path, name: str, dims: tuple[int, ...], ggml_type: int) -> int:
+def _read(path: Path) -> GGUFFile:
+    """The source's header through the engine's one GGUF reader, its errors mapped to ours."""
     try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
-        raise SourceFormatError(f"{path}: tensor {name!r} has unknown ggml type {ggml_type}") from None
-    if not dims or dims[0] % block:
-        raise SourceFormatError(f"{path}: tensor {name!r} row length {dims[:1]} is not a multiple of {block}")
-    count = 1
-    for d in dims:
-        count *= d
-    return count // block * type_size
+        return read_gguf(path, raw_kv=True)
+    except ModelFormatError as e:
+        raise SourceFormatError(str(e)) from None
+
+
+def _source_header(g: GGUFFile) -> SourceHeader:
+    values = {k: v for k, v in g.kv.items() if isinstance(v, (str, int, float))}
+    tensors = tuple(TensorEntry(t.name, tuple(reversed(t.shape)), t.ggml_type, t.offset, t.nbytes)
+                    for t in g.tensors.values())
+    return SourceHeader(g.path, g.version, g.kv_raw, values, tensors, g.alignment, g.header_end, g.data_start,
+                        g.file_size)
 
 
 def read_source_header(path: str | os.PathLike) -> SourceHeader:
-    """Parse a GGUF's header (metadata and tensor table) without reading any tensor data."""
-    path = Path(path)
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise SourceFormatError(f"{path}: cannot open: {e.strerror or e}") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise SourceFormatError(f"{path}: {size} bytes is too short to be a GGUF file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_header(buf, path, size)
-
-
-def _parse_header(buf: mmap.mmap, path: Path, size: int) -> SourceHeader:
-    cur = _Cursor(buf, path)
-    if buf[:4] != GGUF_MAGIC:
-        raise SourceFormatError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
-    cur.pos = 4
-    (version,) = cur.unpack("<I", "version")
-    if version not in (2, 3):
-        hint = " (big-endian GGUF is not supported)" if version & 0xFFFF == 0 else ""
-        raise SourceFormatError(f"{path}: unsupported GGUF version {version}{hint}")
-    n_tensors, n_kv = cur.unpack("<QQ", "counts")
-    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-        raise SourceFormatError(f"{path}: implausible counts ({n_tensors} tensors, {n_kv} keys)")
-
-    kv_raw: list[tuple[str, bytes]] = []
-    kv_values: dict[str, object] = {}
-    for _ in range(n_kv):
-        start = cur.pos
-        key = cur.string("metadata key")
-        (vtype,) = cur.unpack("<I", key)
-        value = cur.value(vtype, key)
-        if key in kv_values or any(k == key for k, _ in kv_raw):
-            raise SourceFormatError(f"{path}: duplicate metadata key {key!r}")
-        kv_raw.append((key, bytes(buf[start : cur.pos])))
-        if value is not None:
-            kv_values[key] = value
-
-    alignment = kv_values.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
-        raise SourceFormatError(f"{path}: general.alignment {alignment!r} is not a positive multiple of 8")
-
-    infos: list[tuple[str, tuple[int, ...], int, int]] = []
-    for _ in range(n_tensors):
-        name = cur.string("tensor name")
-        (n_dims,) = cur.unpack("<I", name)
-        if not 1 <= n_dims <= _MAX_DIMS:
-            raise SourceFormatError(f"{path}: tensor {name!r} has {n_dims} dimensions")
-        dims = cur.unpack(f"<{n_dims}Q", name)
-        ggml_type, rel = cur.unpack("<IQ", name)
-        infos.append((name, tuple(dims), ggml_type, rel))
-    header_end = cur.pos
-    data_start = -(-header_end // alignment) * alignment
-
-    tensors = []
-    seen: set[str] = set()
-    for name, dims, ggml_type, rel in infos:
-        if name in seen:
-            raise SourceFormatError(f"{path}: duplicate tensor {name!r}")
-        seen.add(name)
-        if rel % alignment:
-            raise SourceFormatError(f"{path}: tensor {name!r} data offset {rel} is not aligned to {alignment}")
-        nbytes = _tensor_nbytes(path, name, dims, ggml_type)
-        offset = data_start + rel
-        if offset + nbytes > size:
-            raise SourceFormatError(
-                f"{path}: truncated: tensor {name!r} needs bytes {offset}..{offset + nbytes} of a {size}-byte file")
-        tensors.append(TensorEntry(name, dims, ggml_type, offset, nbytes))
-    return SourceHeader(path, version, tuple(kv_raw), kv_values, tuple(tensors), alignment, header_end,
-                        data_start, size)
+    """Parse a GGUF's header (metadata and tensor table); of the tensor data, only the fingerprint's samples are read."""
+    return _source_header(_read(Path(path)))
 
 
 def _layer_of(name: str) -> int | None:
@@ -434,13 +306,6 @@ class RangePlan:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def _source_identity(path: Path, header: SourceHeader) -> str:
-    """The source's fingerprint exactly as the engine reports it: engine.gguf_meta owns its definition (and a range
-    file's carried identity)."""
-    from .gguf_meta import read_model_meta
-    return read_model_meta(path).fingerprint
-
-
 def plan_range_gguf(src_path: str | os.PathLike, start: int, end: int, *,
                     fingerprint: str | None = None) -> RangePlan:
     """Plan the range-only GGUF for layers [start, end) of `src_path`, reading only the source's header.
@@ -449,7 +314,8 @@ def plan_range_gguf(src_path: str | os.PathLike, start: int, end: int, *,
     source, or the one a range-file source already carries).
     """
     src = Path(src_path)
-    header = read_source_header(src)
+    g = _read(src)
+    header = _source_header(g)
     depth = header.block_count
     carried_depth = header.kv_values.get(KEY_SOURCE_DEPTH)
     if isinstance(carried_depth, int):
@@ -473,7 +339,8 @@ def plan_range_gguf(src_path: str | os.PathLike, start: int, end: int, *,
     if start == 0 and not any(t.name.startswith("token_embd.") for t in picked):
         raise SourceFormatError(f"{src}: the first stage needs token_embd, which the file lacks")
 
-    fp = fingerprint if fingerprint is not None else _source_identity(src, header)
+    # engine.gguf_meta owns the fingerprint's definition (and reads a range-file source's carried identity)
+    fp = fingerprint if fingerprint is not None else meta_from_gguf(g).fingerprint
     align = header.alignment
     kvs = [raw for key, raw in header.kv_raw if key not in _MESH_KEYS]
     kvs += [_enc_kv_str(KEY_FINGERPRINT, fp), _enc_kv_u32(KEY_SOURCE_DEPTH, depth),
@@ -484,7 +351,7 @@ def plan_range_gguf(src_path: str | os.PathLike, start: int, end: int, *,
         infos.append(_enc_str(t.name) + struct.pack(f"<I{len(t.dims)}Q", len(t.dims), *t.dims)
                      + struct.pack("<IQ", t.ggml_type, rel))
         rel += -(-t.nbytes // align) * align
-    head = b"".join([GGUF_MAGIC, struct.pack("<IQQ", OUT_VERSION, len(picked), len(kvs)), *kvs, *infos])
+    head = b"".join([struct.pack("<IIQQ", GGUF_MAGIC, OUT_VERSION, len(picked), len(kvs)), *kvs, *infos])
     head += bytes(-len(head) % align)
 
     segments, out = [(0, len(head), _HEADER, 0)], len(head)

@@ -10,18 +10,18 @@ model of many gigabytes.
 from __future__ import annotations
 
 import codecs
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from gguf import TokenType
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 from tokenizers import pre_tokenizers as _pre
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModel
+from engine.gguf_meta import read_metadata
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "UnsupportedTokenizer", "read_tokenizer_metadata"]
 
@@ -36,88 +36,14 @@ class UnsupportedTokenizer(TokenizerError, UnsupportedModel):
 
 # --- GGUF metadata, tokenizer keys only -------------------------------------------------------------------------
 
-_GGUF_MAGIC = b"GGUF"
-# value type -> struct format of one scalar (little-endian); 8 = string, 9 = array
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _Cursor:
-    """Reads GGUF values from a memory map; every read is bounds-checked so a truncated file gives a clear error."""
-
-    __slots__ = ("buf", "pos", "path")
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def take(self, n: int) -> int:
-        start = self.pos
-        if n < 0 or start + n > len(self.buf):
-            raise ModelFormatError(f"{self.path}: GGUF metadata is truncated at byte {start} (wanted {n} more)")
-        self.pos = start + n
-        return start
-
-    def unpack(self, fmt: str) -> object:
-        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        start = self.take(n)  # type: ignore[arg-type]
-        raw = self.buf[start : self.pos]
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ModelFormatError(f"{self.path}: GGUF string at byte {start} is not UTF-8: {exc}") from None
-
-    def value(self, vtype: int, keep: bool) -> object:
-        if vtype in _SCALAR:
-            return self.unpack(_SCALAR[vtype])
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            itype, count = self.unpack("<I"), self.unpack("<Q")
-            if itype in _SCALAR:
-                fmt = _SCALAR[itype]
-                size = struct.calcsize(fmt)
-                start = self.take(size * count)  # type: ignore[operator]
-                if not keep:
-                    return None
-                return [v[0] for v in struct.iter_unpack(fmt, self.buf[start : self.pos])]
-            if itype == _STRING:
-                # strings have no fixed size, so even a skipped array must be walked
-                if not keep:
-                    for _ in range(count):  # type: ignore[call-overload]
-                        self.take(self.unpack("<Q"))  # type: ignore[arg-type]
-                    return None
-                return [self.string() for _ in range(count)]  # type: ignore[call-overload]
-            raise ModelFormatError(f"{self.path}: GGUF array of element type {itype} is not supported")
-        raise ModelFormatError(f"{self.path}: GGUF value type {vtype} at byte {self.pos} is unknown")
-
 
 def read_tokenizer_metadata(path: str | Path) -> dict[str, object]:
-    """The GGUF's `tokenizer.*` key/value pairs, reading the metadata section only (no tensor table, no weights)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            cur = _Cursor(buf, path)
-            if bytes(buf[cur.take(4) : cur.pos]) != _GGUF_MAGIC:
-                raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
-            version = cur.unpack("<I")
-            if version not in (2, 3):
-                raise ModelFormatError(f"{path}: GGUF version {version} is not supported (need 2 or 3, little-endian)")
-            cur.unpack("<Q")  # tensor count: not needed here
-            n_kv = cur.unpack("<Q")
-            out: dict[str, object] = {}
-            for _ in range(n_kv):  # type: ignore[call-overload]
-                key = cur.string()
-                vtype = cur.unpack("<I")
-                keep = key.startswith("tokenizer.")
-                val = cur.value(vtype, keep)  # type: ignore[arg-type]
-                if keep:
-                    out[key] = val
-            return out
-    except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file
-        raise ModelFormatError(f"{path}: cannot read GGUF metadata: {exc}") from None
+    """The GGUF's `tokenizer.*` key/value pairs, reading the metadata section only (no tensor table, no weights).
+
+    Arrays come back as Python lists (strings decoded); the other keys' big arrays are skipped by length.
+    """
+    kv = read_metadata(path, expand=("tokenizer.",))
+    return {k: v for k, v in kv.items() if k.startswith("tokenizer.")}
 
 
 # --- llama.cpp's pre-tokenizers, by the name in tokenizer.ggml.pre ---------------------------------------------
@@ -170,8 +96,11 @@ EOG_TEXTS = frozenset({
     "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|return|>", "<|call|>",
 })
 
-# token_type values in tokenizer.ggml.token_type (llama.cpp's llama_token_type)
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# token_type values in tokenizer.ggml.token_type, as plain ints (they are compared once per token)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = (
+    int(TokenType.NORMAL), int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.USER_DEFINED),
+    int(TokenType.UNUSED), int(TokenType.BYTE),
+)
 
 
 def _byte_decoder() -> dict[str, int]:
