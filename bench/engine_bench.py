@@ -5,6 +5,7 @@
 Reports, for SmolLM2 by default:
   * tinygrad engine: load time, first-token latency cold (kernels compiled in this process) and warm (a second
     prompt after reset), steady decode tok/s (median step);
+  * batched decode: --batch sequences in separate slots, one column each per step (aggregate tok/s);
   * llama.cpp (llama-cpp-python, if installed) on the same token ids and thread count: first token, decode tok/s;
   * per stage of --splits, in a fresh subprocess each: range load time, weight and KV bytes, peak RSS above the
     process's RSS before loading (interpreter + tinygrad), and its ratio to weight + KV bytes.
@@ -69,6 +70,24 @@ def bench_engine(path: Path, prompt: list[int], n: int, weights: str, ctx: int) 
             "deterministic": toks == toks2}
 
 
+def bench_batched(path: Path, prompt: list[int], n: int, weights: str, ctx: int, batch: int) -> dict:
+    """Aggregate decode rate with `batch` sequences in separate slots, one column each per step."""
+    from engine.stage import Column, Stage
+    stage = Stage.load(path, 0, stage_depth(path), n_slots=batch, max_context=ctx, weights=weights)
+    last = []
+    for slot in range(batch):
+        out = stage.step([Column(i, slot, i == len(prompt) - 1, tk) for i, tk in enumerate(prompt)])
+        last.append(int(out[0]))
+    steps = []
+    for i in range(n):
+        t = time.perf_counter()
+        out = stage.step([Column(len(prompt) + i, slot, True, last[slot]) for slot in range(batch)])
+        steps.append(time.perf_counter() - t)
+        last = [int(x) for x in out]
+    step = statistics.median(steps[2:] or steps)
+    return {"batch": batch, "step_s": step, "tok_s": batch / step}
+
+
 def bench_llama_cpp(path: Path, prompt: list[int], n: int, threads: int) -> dict | None:
     try:
         import llama_cpp
@@ -121,7 +140,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--splits", default="0,10,20,30")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,llama,memory")
+    ap.add_argument("--batch", type=int, default=4, help="sequences decoded together in the batched measurement")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,batch,llama,memory")
     ap.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model is None:
@@ -140,6 +160,9 @@ def main() -> None:
               f"warm {eng['first_token_warm_s']:.3f} s, decode {eng['decode_tok_s']:.1f} tok/s "
               f"(first steps {eng['first_decode_steps_s']}), weights {eng['weight_mb']:.0f} MB, KV {eng['kv_mb']:.0f} MB, "
               f"repeatable {eng['deterministic']}")
+    if "batch" not in skip:
+        b = bench_batched(a.model, prompt, 16, a.weights, a.ctx, a.batch)
+        print(f"batched decode  : {b['batch']} sequences, {b['step_s'] * 1e3:.0f} ms per step, {b['tok_s']:.1f} tok/s in all")
     if "llama" not in skip:
         ll = bench_llama_cpp(a.model, prompt, a.tokens, a.threads)
         if ll is None:
