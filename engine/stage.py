@@ -225,7 +225,11 @@ class Stage:
                     positions = np.arange(pos, pos + size, dtype=np.int64)
                     jit_runs = [(0, size, slot, pos)]
             cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
-            shape = (len(x_np), tuple((col, n) for col, n, _, _ in jit_runs), picks)
+            n_rows = len(x_np)
+            # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
+            # size does not make a new jit; only "every row" is a shape of its own
+            every_row = picks == tuple(range(n_rows))
+            shape = (n_rows, tuple((col, n) for col, n, _, _ in jit_runs), -1 if every_row else len(picks))
             fn = self._jits.get(shape)
             if fn is None:
                 fn = partial(self._graph, shape)
@@ -236,6 +240,8 @@ class Stage:
                     fn.cnt = 1
             binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
                     [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
+            if not every_row:
+                binds += [UOp.variable(f"pick{j}", 0, n_rows - 1).bind(i) for j, i in enumerate(picks)]
             out = fn(Tensor(x_np).realize(), Tensor(cos_np).realize(), Tensor(sin_np).realize(), *binds).numpy()
             if not self.last:
                 out = out[:N]
@@ -245,7 +251,7 @@ class Stage:
 
     def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
         """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""
-        N, runs, picks = shape
+        N, runs, n_picks = shape
         k = len(runs)
         groups = [Group(col, n, binds[i], binds[k + i]) for i, (col, n) in enumerate(runs)]
         cos, sin = cos.reshape(N, 1, -1), sin.reshape(N, 1, -1)
@@ -253,5 +259,9 @@ class Stage:
             x = b(x, cos, sin, groups)
         if not self.last:
             return x
-        rows = x if len(picks) == N else Tensor.cat(*[x[i:i + 1] for i in picks])
+        if n_picks == -1:
+            rows = x
+        else:
+            picks = binds[2 * k:]
+            rows = x[picks[0]:picks[0] + 1] if n_picks == 1 else Tensor.cat(*[x[v:v + 1] for v in picks])
         return self._head(rows)  # (M, vocab) float32

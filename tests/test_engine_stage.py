@@ -225,3 +225,12 @@ def test_weight_and_cache_modes_agree(models):
         (s,) = load_split(models["qwen2"], [], weights=weights, kv_dtype=kv)
         assert s.kv_bytes == ref.kv_bytes // (2 if kv == "f16" else 1)
         np.testing.assert_allclose(s.step_logits(prefill_cols(PROMPT)), want, rtol=0, atol=0.05 * np.abs(want).max())
+
+
+def test_prompts_of_similar_length_share_one_compiled_step(models):
+    (s,) = load_split(models["llama"], [])
+    for slot, n in enumerate([5, 7, 8]):  # all pad to 8 columns; the logits row differs
+        s.step([Column(i, slot, i == n - 1, 3 + i) for i in range(n)])
+    assert len(s._jits) == 1
+    s.step([Column(0, 3, False, 1), Column(1, 3, True, 2)])
+    assert len(s._jits) == 1
