@@ -105,7 +105,7 @@ class Block:
         ff = self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up")
         return (x + self._lin(ff, "ffn_down")).contiguous().realize()
 
-    def zero_slot(self, slot: int) -> None:
+    def zero_slot(self, slot: UOp) -> None:  # a bound variable: one kernel serves every slot
         for c in (self.cache_k, self.cache_v):
             c[slot:slot + 1].assign(Tensor.zeros(1, *c.shape[1:], dtype=c.dtype)).realize()
 

@@ -123,7 +123,7 @@ class Stage:
         """Forget everything slot `slot` holds and clear its cache."""
         self._check_slot(slot)
         for b in self._blocks:
-            b.zero_slot(slot)
+            b.zero_slot(self._vslot[0].bind(int(slot)))
         self._lengths[slot] = 0
 
     def reset(self) -> None:

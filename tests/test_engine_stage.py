@@ -163,9 +163,12 @@ def test_rollback_replays_identically(models):
 
 def test_zero_slot_and_reset(models):
     (s,) = load_split(models["llama"], [])
+    greedy([s], PROMPT, 2, slot=0)
     ref = greedy([s], PROMPT, 4, slot=1)
     s.zero_slot(1)
-    assert s.slot_length(1) == 0
+    assert s.slot_length(1) == 0 and s.slot_length(0) == len(PROMPT) + 1
+    cache = s._blocks[0].cache_k.numpy()
+    assert not cache[1].any() and cache[0].any()  # the zeroed slot is cleared, its neighbour kept
     with pytest.raises(RangeError):
         s.step([Column(3, 1, True, 1)])
     assert greedy([s], PROMPT, 4, slot=1) == ref
