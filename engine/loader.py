@@ -103,6 +103,19 @@ class Weight:
         return self.tensor.nbytes() + (self.scale.nbytes() if self.scale is not None else 0)
 
 
+def concat_rows(parts: list[Weight]) -> Weight | None:
+    """One weight holding the rows of `parts` in order (q/k/v fused into one matmul), or None when their storage
+    differs (raw GGUF blocks of different types)."""
+    first = parts[0]
+    if any((p.ggml_type, p.scale is None, p.tensor.dtype) != (first.ggml_type, first.scale is None, first.tensor.dtype)
+           or len(p.shape) != len(first.shape) or p.shape[1:] != first.shape[1:] for p in parts):
+        return None
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    tensor = Tensor.cat(*[p.tensor for p in parts], dim=0).contiguous().realize()
+    scale = None if first.scale is None else Tensor.cat(*[p.scale for p in parts], dim=0).contiguous().realize()
+    return Weight(tensor, shape, first.ggml_type, scale)
+
+
 def to_q8(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per block of 32 (the Q8_0 scheme, f32 scales): exact for Q8_0 sources, within 1/254 of a
     block's largest magnitude otherwise."""

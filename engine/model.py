@@ -68,9 +68,15 @@ class Block:
         N = x.shape[0]
         H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
         h = rms_norm(x, self.w["attn_norm.weight"].value(), self.eps)  # (N, D)
-        q = self._lin(h, "attn_q").reshape(N, H, Hd)
-        k = self._lin(h, "attn_k").reshape(N, KvH, Hd)
-        v = self._lin(h, "attn_v").reshape(N, KvH, Hd)
+        if "attn_qkv.weight" in self.w:
+            qkv = self._lin(h, "attn_qkv").contiguous()  # (N, (H + 2 KvH) * Hd), computed once for q, k and v
+            q = qkv[:, :H * Hd].reshape(N, H, Hd)
+            k = qkv[:, H * Hd:(H + KvH) * Hd].reshape(N, KvH, Hd)
+            v = qkv[:, (H + KvH) * Hd:].reshape(N, KvH, Hd)
+        else:
+            q = self._lin(h, "attn_q").reshape(N, H, Hd)
+            k = self._lin(h, "attn_k").reshape(N, KvH, Hd)
+            v = self._lin(h, "attn_v").reshape(N, KvH, Hd)
         if "attn_q_norm.weight" in self.w:
             q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)

@@ -12,7 +12,8 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
-from .loader import EmbeddingTable, WeightMode, block_tensor_names, check_range, load_weight, tensor_info
+from .loader import (EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
+                     tensor_info)
 from .model import Block, Group, Head, rope_tables
 from .sampling import Sampling, pick_token
 
@@ -96,6 +97,12 @@ class Stage:
                 info = tensor_info(g, full, shapes[short])
                 ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
                 weight_bytes += ws[short].nbytes
+            for kind in ("weight", "bias"):  # one matmul for q, k and v: fewer kernels per layer
+                names = [f"attn_{x}.{kind}" for x in "qkv"]
+                if all(n in ws for n in names) and (fused := concat_rows([ws[n] for n in names])) is not None:
+                    for n in names:
+                        del ws[n]
+                    ws[f"attn_qkv.{kind}"] = fused
             blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
                                 norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
                                 kv_dtype=_KV_DTYPES[kv_dtype]))
