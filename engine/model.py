@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
 from .loader import Weight
