@@ -57,13 +57,15 @@ def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None)
     n_rows = info.shape[0] if len(info.shape) > 1 else 1
     r1 = n_rows if r1 is None else min(r1, n_rows)
     row_bytes = info.nbytes // n_rows
+    # a writable buffer: tinygrad's GPU backends refuse to copy from a read-only one (CUDA: "not writable")
+    raw = bytearray((r1 - r0) * row_bytes)
     try:
         with open(g.path, "rb") as f:
             f.seek(info.offset + r0 * row_bytes)
-            raw = f.read((r1 - r0) * row_bytes)
+            got = f.readinto(raw)
     except OSError as e:
         raise ModelFormatError(f"{g.path}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
-    if len(raw) != (r1 - r0) * row_bytes:
+    if got != len(raw):
         raise ModelFormatError(f"{g.path}: truncated while reading tensor {info.name!r}")
     return np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, row_bytes)
 
