@@ -61,7 +61,7 @@ async def meshed(model: Path, ids, tok, n, peers: int, chain: str, rtc_hops: tup
                       webrtc_hops=rtc_hops)
     coord = Coordinator(cfg)
     procs = []
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     try:
         async with trio.open_nursery() as nursery:
             await coord.serve_registry(nursery)

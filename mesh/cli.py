@@ -13,15 +13,10 @@ import trio
 TOKEN_ENV = "MESH_TOKEN"
 
 
-def _leaf_errors(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaf_errors(sub)]
-    return [exc]
-
-
 def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
     """Turn an expected failure (possibly wrapped in trio's exception groups) into one line and exit 1."""
-    leaves = _leaf_errors(exc)
+    from mesh.errors import leaf_errors
+    leaves = leaf_errors(exc)
     expected = [e for e in leaves if isinstance(e, kinds)]
     if expected and all(isinstance(e, kinds + (KeyboardInterrupt,)) for e in leaves):
         sys.exit(f"{prog}: {expected[0]}")

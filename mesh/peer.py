@@ -23,7 +23,7 @@ from engine.gguf_meta import read_model_meta
 from engine.worker import open_worker
 from mesh import proto
 from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
-from mesh.errors import HopError, MeshError
+from mesh.errors import HopError, MeshError, single_errors
 from mesh.link import AuthFailed, LinkClosed, LinkError, RemoteError, open_link
 from mesh.report import DonorReport
 
@@ -126,9 +126,10 @@ class Peer:
                                                *(self.cfg.layers or (-1, -1))))
                     log.info("joined coordinator %s", self.cfg.join)
                     try:
-                        async with trio.open_nursery() as session:  # hops and lanes live as long as the session
-                            await self._serve_ops(link, session, control=True)
-                            session.cancel_scope.cancel()
+                        with single_errors():
+                            async with trio.open_nursery() as session:  # hops and lanes live as long as the session
+                                await self._serve_ops(link, session, control=True)
+                                session.cancel_scope.cancel()
                     finally:
                         self.forward = None
         except trio.TooSlowError:
@@ -143,9 +144,10 @@ class Peer:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
                 async with open_link(stream, token=self.cfg.token, role="server") as link:
                     handshake.deadline = math.inf
-                    async with trio.open_nursery() as lane:
-                        await self._serve_ops(link, lane, control=False)
-                        lane.cancel_scope.cancel()
+                    with single_errors():
+                        async with trio.open_nursery() as lane:
+                            await self._serve_ops(link, lane, control=False)
+                            lane.cancel_scope.cancel()
         except trio.TooSlowError:
             log.warning("inbound hop from %s: no handshake within %.0fs", peer, HANDSHAKE_SECONDS)
         except (LinkError, proto.ProtoError, transport.TransportError, HopError) as exc:

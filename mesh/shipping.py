@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import asynccontextmanager, closing
+from contextlib import closing
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -47,7 +47,7 @@ import trio
 from engine.gguf_range import (CHUNK_BYTES, KEY_FINGERPRINT, KEY_RANGE_END, KEY_RANGE_START, RangeGGUFError,
                                RangePlan, plan_range_gguf, range_file_name, read_source_header)
 from mesh import proto
-from mesh.errors import MeshError
+from mesh.errors import MeshError, single_errors
 from mesh.link import RemoteError
 
 __all__ = [
@@ -676,25 +676,6 @@ async def ship_range(link, source: RangePlan | str | os.PathLike, start: int | N
                          reply.code if isinstance(reply, proto.Error) else ErrorCode.INTERNAL)
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
-
-
-@asynccontextmanager
-async def _one_error():
-    """Callers see the error that ended a shipment (a LinkClosed, a ShipFailed), not a nursery's group of them."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        real = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-        if real and all(isinstance(e, Exception) for e in real):
-            raise real[0] from None
-        raise
-
-
 def _take(chunks: Iterator[bytes], n: int) -> list[bytes]:
     return list(itertools.islice(chunks, n))
 
@@ -721,25 +702,26 @@ async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str
         sending.cancel()  # an answer before ShipEnd is a failure: stop sending
 
     try:
-        async with _one_error(), trio.open_nursery() as nursery:
-            with trio.CancelScope() as sending:
-                nursery.start_soon(watch, sending)
-                with closing(plan.iter_chunks(offset, chunk)) as chunks:
-                    while True:
-                        # Reads run in a thread (a cold disk must not stall the loop), a few chunks per trip so
-                        # the hand-off costs little; the Link's credit window bounds what is in flight.
-                        try:
-                            batch = await trio.to_thread.run_sync(_take, chunks, READ_AHEAD)
-                        except RangeGGUFError as exc:
-                            source_error = exc
-                            break
-                        if not batch:
-                            break
-                        for data in batch:
-                            await link.send(proto.ShipChunk(pos, data))
-                            pos += len(data)
-                            progress.update(pos, trio.current_time())
-                            board.update(progress)
+        with single_errors():
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as sending:
+                    nursery.start_soon(watch, sending)
+                    with closing(plan.iter_chunks(offset, chunk)) as chunks:
+                        while True:
+                            # Reads run in a thread (a cold disk must not stall the loop), a few chunks per trip so
+                            # the hand-off costs little; the Link's credit window bounds what is in flight.
+                            try:
+                                batch = await trio.to_thread.run_sync(_take, chunks, READ_AHEAD)
+                            except RangeGGUFError as exc:
+                                source_error = exc
+                                break
+                            if not batch:
+                                break
+                            for data in batch:
+                                await link.send(proto.ShipChunk(pos, data))
+                                pos += len(data)
+                                progress.update(pos, trio.current_time())
+                                board.update(progress)
             # ShipEnd closes the exchange in every case: the receiver verifies, reports a short file, or stops
             # dropping the chunks that followed its Error.
             await link.send(proto.ShipEnd(digest))
