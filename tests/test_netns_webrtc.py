@@ -59,7 +59,10 @@ async def test_data_channel_crosses_two_nats_through_relayed_sdp(nat: str) -> No
     report = json.loads(results["offerer"].decode().strip().splitlines()[-1])
     answerer = json.loads(results["answerer"].decode().strip().splitlines()[-1])
     # Dialing the other peer directly fails both ways a home-lab peer would try it.
-    assert "unreachable" in report["direct"][f"{PEER_B_IP}:{PROBE_PORT}"]
+    # (to the private address the kernel answers either "unreachable" or nothing at all, depending on whether the
+    # packet met a route that rejects it first: both are a failed dial)
+    private = report["direct"][f"{PEER_B_IP}:{PROBE_PORT}"]
+    assert private == "timeout" or "unreachable" in private, private
     assert report["direct"][f"{NAT_B_WAN}:{PROBE_PORT}"] == "timeout"
     assert report["echoed"] == ECHO_BYTES and report["sha256_sent"] == report["sha256_back"]
     assert answerer["echoed"] == ECHO_BYTES + 50 * 4096
