@@ -6,6 +6,8 @@ Reports, for SmolLM2 by default:
   * tinygrad engine: load time, first-token latency cold (kernels compiled in this process) and warm (a second
     prompt after reset), steady decode tok/s (median step);
   * batched decode: --batch sequences in separate slots, one column each per step (aggregate tok/s);
+  * split overhead: the --splits stages chained in this process against one stage holding every layer, decode
+    steps interleaved, median ms per step of each stage and of the whole (what sharding costs before any network);
   * llama.cpp (llama-cpp-python, if installed) on the same token ids and thread count: first token, decode tok/s;
   * per stage of --splits, in a fresh subprocess each: range load time, weight and KV bytes, peak RSS above the
     process's RSS before loading (interpreter + tinygrad), and its ratio to weight + KV bytes.
@@ -88,6 +90,29 @@ def bench_batched(path: Path, prompt: list[int], n: int, weights: str, ctx: int,
     return {"batch": batch, "step_s": step, "tok_s": batch / step}
 
 
+def bench_split(path: Path, prompt: list[int], n: int, weights: str, ctx: int, cuts: list[int]) -> dict:
+    """Median decode step of each stage of a split and of the unsharded stage, run alternately in one process."""
+    from engine.stage import Column, Stage
+    full = Stage.load(path, cuts[0], cuts[-1], n_slots=1, max_context=ctx, weights=weights)
+    parts = [Stage.load(path, a, b, n_slots=1, max_context=ctx, weights=weights) for a, b in zip(cuts, cuts[1:])]
+    chains = {"full": [full], "split": parts}
+    cols = {k: [Column(i, 0, i == len(prompt) - 1, tk) for i, tk in enumerate(prompt)] for k in chains}
+    times = {k: [[] for _ in v] for k, v in chains.items()}
+    toks: dict[str, list[int]] = {k: [] for k in chains}
+    for step in range(n):
+        for k, chain in chains.items():
+            h = None
+            for j, s in enumerate(chain):
+                t = time.perf_counter()
+                h = s.step(cols[k], h)
+                if step >= 3:  # after the prefill and the first (compiling) decode steps
+                    times[k][j].append(time.perf_counter() - t)
+            toks[k].append(int(h[0]))
+            cols[k] = [Column(len(prompt) + step, 0, True, toks[k][-1])]
+    med = {k: [statistics.median(t) * 1e3 for t in v] for k, v in times.items()}
+    return {"full_ms": med["full"][0], "stage_ms": med["split"], "same_tokens": toks["full"] == toks["split"]}
+
+
 def bench_llama_cpp(path: Path, prompt: list[int], n: int, threads: int) -> dict | None:
     try:
         import llama_cpp
@@ -141,7 +166,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--splits", default="0,10,20,30")
     ap.add_argument("--batch", type=int, default=4, help="sequences decoded together in the batched measurement")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,batch,llama,memory")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,batch,split,llama,memory")
     ap.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model is None:
@@ -163,6 +188,12 @@ def main() -> None:
     if "batch" not in skip:
         b = bench_batched(a.model, prompt, 16, a.weights, a.ctx, a.batch)
         print(f"batched decode  : {b['batch']} sequences, {b['step_s'] * 1e3:.0f} ms per step, {b['tok_s']:.1f} tok/s in all")
+    if "split" not in skip:
+        cuts = [int(x) for x in a.splits.split(",")]
+        r = bench_split(a.model, prompt, 24, a.weights, a.ctx, cuts)
+        stages = " + ".join(f"{x:.1f}" for x in r["stage_ms"])
+        print(f"split decode    : stages {cuts} {stages} = {sum(r['stage_ms']):.1f} ms per step, unsharded "
+              f"{r['full_ms']:.1f} ms ({r['full_ms'] / sum(r['stage_ms']):.3f}), same tokens {r['same_tokens']}")
     if "llama" not in skip:
         ll = bench_llama_cpp(a.model, prompt, a.tokens, a.threads)
         if ll is None:
