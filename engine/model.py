@@ -81,7 +81,7 @@ class Block:
             q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        Tensor.realize(q, k, v)
+        q = q.contiguous().realize()  # k and v go straight from the qkv rows into the cache writes
 
         # write every group's keys/values first: a later group of the same step may attend to them
         writes = []
