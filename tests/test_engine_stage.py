@@ -237,3 +237,21 @@ def test_prompts_of_similar_length_share_one_compiled_step(models):
     assert len(s._jits) == 1
     s.step([Column(0, 3, False, 1), Column(1, 3, True, 2)])
     assert len(s._jits) == 1
+
+
+def test_step_results_and_inputs_are_not_shared_between_steps(models):
+    """A step's input and output device buffers are reused by the next step of the same shape: what a step returned
+    must be the caller's own array, and the caller's input array is read, never kept."""
+    a, b = load_split(models["llama"], [2])
+    a.step(prefill_cols(PROMPT))
+    h1 = a.step([Column(len(PROMPT), 0, False, 11)])
+    keep = h1.copy()
+    h2 = a.step([Column(len(PROMPT) + 1, 0, False, 12)])
+    assert h1.flags.writeable and np.array_equal(h1, keep) and not np.array_equal(h1, h2)
+
+    b.step(prefill_cols(PROMPT), np.zeros((len(PROMPT), 64), np.float32))
+    x = h1.copy()
+    l1 = b.step_logits([Column(len(PROMPT), 0, True)], x)
+    x[:] = 0.0  # overwriting the caller's array after the step changes nothing the stage holds
+    b.rollback(0, len(PROMPT))
+    assert np.array_equal(b.step_logits([Column(len(PROMPT), 0, True)], h1), l1)
