@@ -722,9 +722,9 @@ async def _ship_once(link, plan: RangePlan, digest: bytes, chunk: int, name: str
                                 pos += len(data)
                                 progress.update(pos, trio.current_time())
                                 board.update(progress)
-            # ShipEnd closes the exchange in every case: the receiver verifies, reports a short file, or stops
-            # dropping the chunks that followed its Error.
-            await link.send(proto.ShipEnd(digest))
+                # ShipEnd closes the exchange in every case: the receiver verifies, reports a short file, or stops
+                # dropping the chunks that followed its Error.
+                await link.send(proto.ShipEnd(digest))
     finally:
         progress.update(pos, trio.current_time())
         board.update(progress, final=True)
