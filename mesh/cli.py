@@ -23,6 +23,20 @@ def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
     raise exc
 
 
+def _run(prog: str, main, *args) -> None:
+    """trio.run with the CLI's exits: 130 on Ctrl-C, one line and 1 on an expected failure, a traceback otherwise."""
+    from engine.errors import EngineError
+    from mesh.errors import MeshError
+    try:
+        trio.run(main, *args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        _exit_on(prog, (MeshError, EngineError, OSError), exc)
+
+
 def _layers(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(":"))
@@ -106,16 +120,7 @@ def coord_main(argv: list[str] | None = None) -> None:
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
                       ice=ice)
-    from mesh.errors import MeshError
-    from engine.errors import EngineError
-    try:
-        trio.run(_run_coord, cfg, args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
-        _exit_on("mesh-coord", (MeshError, EngineError, OSError), exc)
+    _run("mesh-coord", _run_coord, cfg, args)
 
 
 async def _run_coord(cfg, args) -> None:
@@ -218,13 +223,4 @@ def peer_main(argv: list[str] | None = None) -> None:
                      layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
                      device=args.device, max_context=args.max_context,
                      ice=IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass))
-    from mesh.errors import MeshError
-    from engine.errors import EngineError
-    try:
-        trio.run(Peer(cfg).run)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
-        _exit_on("mesh-peer", (MeshError, EngineError, OSError), exc)
+    _run("mesh-peer", Peer(cfg).run)

@@ -82,22 +82,29 @@ class Pipeline:
         return await self.collect(await self.submit(cols, sampling))
 
 
-class HubPipeline(Pipeline):
-    """The coordinator relays every hidden state: stage links in chain order, each answering on its own link."""
+class _Deferred(Pipeline):
+    """A pipeline that computes a step only when its answer is collected (the coordinator drives every stage)."""
 
-    def __init__(self, links: list, names: list[str], local: LocalStage | None = None):
+    def __init__(self, local: LocalStage | None, names: list[str]):
         super().__init__(local, names)
-        self.links = links
         self._pending: dict[int, tuple[list[Column], Sampling]] = {}
-
-    async def _send_inband(self, ev) -> None:
-        for link, name in zip(self.links, self.names):
-            await _send(link, ev, name)
 
     async def submit(self, cols, sampling) -> int:
         group = self.next_group()
         self._pending[group] = (cols, sampling)
         return group
+
+
+class HubPipeline(_Deferred):
+    """The coordinator relays every hidden state: stage links in chain order, each answering on its own link."""
+
+    def __init__(self, links: list, names: list[str], local: LocalStage | None = None):
+        super().__init__(local, names)
+        self.links = links
+
+    async def _send_inband(self, ev) -> None:
+        for link, name in zip(self.links, self.names):
+            await _send(link, ev, name)
 
     async def collect(self, group: int) -> tuple[int, ...]:
         cols, sampling = self._pending.pop(group)
@@ -141,24 +148,18 @@ class ChainPipeline(Pipeline):
         return done.tokens
 
 
-class LocalPipeline(Pipeline):
+class LocalPipeline(_Deferred):
     """Every layer in one stage of our own (a worker holding the whole model): the unsharded reference."""
 
     def __init__(self, stage: LocalStage):
         super().__init__(None, ["local"])
         self.stage = stage
-        self._pending: dict[int, tuple[list[Column], Sampling]] = {}
 
     async def _send_inband(self, ev) -> None:
         if isinstance(ev, proto.ZeroSlot):
             await self.stage.zero_slot(ev.slot)
         elif isinstance(ev, proto.Rollback):
             await self.stage.rollback(ev.slot, ev.pos)
-
-    async def submit(self, cols, sampling) -> int:
-        group = self.next_group()
-        self._pending[group] = (cols, sampling)
-        return group
 
     async def collect(self, group: int) -> tuple[int, ...]:
         cols, sampling = self._pending.pop(group)
