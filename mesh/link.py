@@ -25,6 +25,7 @@ from typing import AsyncIterator, Literal
 import trio
 
 from mesh import proto
+from mesh.errors import single_errors
 from mesh.proto import flow_controlled, frame_cost
 
 DEFAULT_WINDOW = 8 * 1024 * 1024
@@ -361,9 +362,12 @@ async def open_link(stream: trio.abc.Stream, *, token: bytes | None, role: Role,
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link._background)
-        try:
-            yield link
-        finally:
-            await link.aclose()
+    # The background task records failures instead of raising, so whatever leaves this nursery came from the
+    # caller's body: hand it back as itself, not wrapped in an exception group that `except LinkError` would miss.
+    with single_errors():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link._background)
+            try:
+                yield link
+            finally:
+                await link.aclose()

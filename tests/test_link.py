@@ -291,3 +291,20 @@ async def test_wait_failed_reports_why_the_link_ended(autojump_clock):
             assert why == []
             await client.aclose()
         assert isinstance(why[0], LinkClosed) and "shut the link down" in str(why[0])
+
+
+async def test_an_error_in_the_body_leaves_as_itself_not_as_a_group():
+    """`except LinkError` around `open_link` must work: the link's own nursery may not wrap the caller's error."""
+    left, right = trio.testing.memory_stream_pair()
+
+    async def server() -> None:
+        async with open_link(right, token=TOKEN, role="server"):
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        with pytest.raises(LinkClosed, match="gone") as caught:
+            async with open_link(left, token=TOKEN, role="client"):
+                raise LinkClosed("gone")
+        assert type(caught.value) is LinkClosed
+        nursery.cancel_scope.cancel()
