@@ -6,23 +6,14 @@ import numpy as np
 from engine.stage import Column, Sampling
 from mesh import proto
 
-_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
-_NAMES = {v: k for k, v in _DTYPES.items()}
 
-
+# Activations: the protocol's own numpy conversion (f32/f16, raw bytes, shape) is the one definition.
 def to_activation(array: np.ndarray) -> proto.Activation:
-    dtype = np.dtype(array.dtype).newbyteorder("<")
-    if dtype not in _NAMES:
-        raise ValueError(f"activation dtype {array.dtype} has no wire name")
-    return proto.Activation(_NAMES[dtype], tuple(int(d) for d in array.shape), np.ascontiguousarray(array, dtype).tobytes())
+    return proto.Activation.from_array(np.ascontiguousarray(array))
 
 
 def from_activation(act: proto.Activation | None) -> np.ndarray | None:
-    if act is None:
-        return None
-    if act.dtype not in _DTYPES:
-        raise ValueError(f"activation dtype {act.dtype!r} is not supported by this engine")
-    return np.frombuffer(act.data, _DTYPES[act.dtype]).reshape(act.shape)
+    return None if act is None else act.to_array()
 
 
 def to_engine_columns(columns) -> list[Column]:

@@ -15,7 +15,7 @@ import trio
 
 from engine.stage import Column, Sampling
 from mesh import proto
-from mesh.convert import from_activation, to_activation, to_engine_columns, to_wire_columns, to_wire_sampling
+from mesh.convert import to_activation, to_wire_columns, to_wire_sampling
 from mesh.errors import SessionError
 from mesh.link import LinkError
 
