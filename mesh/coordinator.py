@@ -29,6 +29,7 @@ from mesh.registry import Member, Registry
 
 log = logging.getLogger("mesh.coord")
 RPC_SECONDS = 600.0
+SINK_GRACE = 6.0             # a dead stage's control link fails within a heartbeat window (5 s) of its death
 RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s          # a load may read gigabytes; a ship is bounded separately by its own progress
 
 
@@ -176,8 +177,14 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
             log.warning("sink: %s sent no handshake", who)
         except (LinkError, proto.ProtoError, transport.TransportError) as exc:
             log.info("sink: hop from %s ended: %s", who, exc)
-            await send_channel.send(proto.Error(proto.ErrorCode.INTERNAL, f"the sink hop from {who} ended: {exc}"))
+            await send_channel.send(_SinkEnded(f"the sink hop from {who} ended: {exc}"))
     await transport.serve_listener(host, 0, handler, task_status=task_status)
+
+
+@dataclass(frozen=True)
+class _SinkEnded:
+    """The sink hop closed. Usually a symptom: a stage upstream died and the chain behind it wound down."""
+    reason: str
 
 
 async def _report_loss(m: Member, send_channel) -> None:
@@ -205,7 +212,15 @@ async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
 
     async def sink_receive() -> proto.Done:
         ev = await receive.receive()
-        if isinstance(ev, proto.Error):
+        if isinstance(ev, _SinkEnded):
+            # Name the cause, not the symptom: when a middle stage dies, the hops behind it close, often before
+            # the coordinator's own control link to the dead stage has failed. Give the watchers a heartbeat
+            # window to report it; if no stage is gone, the sink hop itself was the fault.
+            with trio.move_on_after(SINK_GRACE):
+                while not isinstance(cause := await receive.receive(), proto.Error):
+                    pass
+                ev = cause
+        if isinstance(ev, (proto.Error, _SinkEnded)):
             raise SessionError(ev.reason)
         return ev
     return ChainPipeline(links[0], sink_receive, names, fleet.local)
