@@ -14,7 +14,7 @@ from tinygrad.dtype import _to_np_dtype
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
-                     tensor_info)
+                     tensor_info, free_device_cache, write_into)
 from .model import Block, Group, Head, rope_tables
 from .sampling import Sampling, pick_token
 
@@ -32,19 +32,14 @@ class Column:
 
 
 def _release_freed_memory() -> None:
-    """Hand the load's freed intermediates back to the OS: glibc keeps freed heap pages, and after the first large
-    free it raises its mmap threshold, so the per-tensor scratch arrays of a load would otherwise stay resident."""
+    """Hand the load's freed intermediates back to the OS. tinygrad's allocator keeps freed device buffers in an
+    LRU cache for reuse (the load's scratch and the q/k/v parts fused into one weight: ~10 MB on a SmolLM2 stage),
+    and glibc keeps freed heap pages after the first large free raises its mmap threshold."""
+    free_device_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _copy_in(t: Tensor, a: np.ndarray) -> None:
-    """Write a host array into a realized device tensor in place: a raw copy, with no graph to schedule (a new
-    `Tensor(a).realize()` costs a schedule and a copy kernel, ~3 ms per input per step on a loaded CPU)."""
-    buf = t.uop.buffer
-    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(a, _to_np_dtype(t.dtype))).cast("B"))
 
 
 def _copy_out(t: Tensor) -> np.ndarray:
@@ -255,7 +250,7 @@ class Stage:
             every_row = picks == tuple(range(n_rows))
             shape = (n_rows, tuple((col, n) for col, n, _, _ in jit_runs), -1 if every_row else len(picks))
             fn = self._jits.get(shape)
-            if fn is None:
+            if new_shape := fn is None:
                 fn = partial(self._graph, shape)
                 if self._use_jit:
                     fn = self._jits[shape] = TinyJit(fn)
@@ -271,8 +266,10 @@ class Stage:
                 inputs = self._inputs[shape] = tuple(Tensor.zeros(*a.shape, dtype=dtypes.float32).contiguous().realize()
                                                      for a in (x_np, cos_np, sin_np))
             for t, a in zip(inputs, (x_np, cos_np, sin_np)):
-                _copy_in(t, a)
+                write_into(t, a)
             out = _copy_out(fn(*inputs, *binds))
+            if new_shape:       # the capture's scratch buffers now sit in the allocator's cache; the jit keeps its own
+                _release_freed_memory()
             if not self.last:
                 out = out[:N]
         for col, n, slot, pos in runs:
