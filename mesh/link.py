@@ -107,15 +107,15 @@ class Link:
         self._raise_if_failed()
         if self._sent_shutdown:
             raise LinkClosed("this side already sent Shutdown")
-        data = self._codec.send(event)
+        parts = self._codec.send_parts(event)  # a bulk payload stays a buffer of its own: framing does not copy it
         if flow_controlled(event.TYPE):
             while not self._flow.can_send():
                 await self._credit_lot.park()
                 self._raise_if_failed()
-            self._flow.on_sent(frame_cost(len(data)))
+            self._flow.on_sent(frame_cost(sum(map(len, parts))))
         if isinstance(event, proto.Shutdown):
             self._sent_shutdown = True
-        await self._write(data)
+        await self._write(*parts)
 
     async def receive(self) -> proto.Event:
         """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
@@ -162,7 +162,8 @@ class Link:
         self._credit_lot.unpark_all()
         self._failed.set()
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, *parts: bytes) -> None:
+        """Write one frame (given as consecutive buffers), whole."""
         # Uncontended (the usual case) the lock is taken without a trip through the scheduler: on a decode step
         # every such trip is a visible share of a hop's round trip.
         try:
@@ -175,7 +176,8 @@ class Link:
             # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
             # background task does on any failure (the watchdog's LinkDead included) and on close.
             with trio.CancelScope(shield=True):
-                await self.stream.send_all(data)
+                for data in parts:
+                    await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail(LinkClosed(f"connection lost while sending: {exc or type(exc).__name__}"))
             raise self._failure.with_traceback(None) from exc  # type: ignore[union-attr]

@@ -609,10 +609,11 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
             if isinstance(ev, proto.ShipEnd):
                 reply = await trio.to_thread.run_sync(rx.receive, ev)  # waits for the hash, fsyncs, renames
             else:
-                # A chunk is written inline: a write into the page cache costs less than a trip to a thread, and
-                # even a throttled write to a slow card blocks for milliseconds, far inside the heartbeat
-                # timeout. Hashing runs on the receiver's own thread.
-                reply = rx.receive(ev)
+                # A chunk is written from a worker thread, so that the Link's reader keeps receiving the next
+                # chunks (up to the credit window) while the kernel copies this one into the page cache: a write
+                # costs as much CPU as the socket receive, and inline the two took turns. Hashing runs on the
+                # receiver's own thread.
+                reply = await trio.to_thread.run_sync(rx.receive, ev)
             if reply is not None:
                 await link.send(reply)
             if isinstance(reply, proto.Error):

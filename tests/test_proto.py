@@ -122,6 +122,33 @@ def test_any_split_parses_the_same(cuts):
     assert got == SAMPLES
 
 
+def test_ship_chunk_data_is_a_read_only_view_not_a_copy():
+    data = bytes(range(256)) * 1024
+    codec = p.Codec()
+    frame = codec.send(p.ShipChunk(7, data))
+    codec.receive_data(frame[:100])  # split mid-payload: the frame is joined once, when whole
+    codec.receive_data(frame[100:] + encode_all([p.Ping(1)]))
+    ev = codec.next_event()
+    assert isinstance(ev.data, memoryview) and ev.data.readonly and ev == p.ShipChunk(7, data)
+    assert codec.next_event() == p.Ping(1) and codec.buffered() == 0
+    small = p.Codec()
+    small.receive_data(small.send(p.ShipChunk(0, b"abc")))  # a frame inside one chunk is a view of that chunk
+    assert small.next_event().data == b"abc"
+    # Decoding from mutable memory copies, so a view can never change under its holder.
+    payload = bytearray(frame[8:])
+    ev = p.events.decode_payload(p.MsgType.SHIP_CHUNK, memoryview(payload))
+    payload[20] ^= 0xFF
+    assert type(ev.data) is bytes and ev.data == data
+
+
+def test_send_parts_leaves_a_bulk_payload_uncopied():
+    codec = p.Codec()
+    data = bytes(p.codec.BULK)
+    parts = codec.send_parts(p.ShipChunk(3, data))
+    assert len(parts) == 2 and parts[1] is data and b"".join(parts) == codec.send(p.ShipChunk(3, data))
+    assert codec.send_parts(p.ShipChunk(3, b"xy")) == [codec.send(p.ShipChunk(3, b"xy"))]
+
+
 def test_activation_bytes_are_carried_bitwise():
     np = pytest.importorskip("numpy")
     arr = np.array([[1.5, -0.0, np.nan, np.inf]], dtype=np.float16)

@@ -19,6 +19,9 @@ PROTOCOL_VERSION = 1
 MIN_VERSION = 1
 MAX_VERSION = 1
 MAX_FRAME = 64 * 1024 * 1024
+BULK = 64 * 1024
+"""A last field this large is written as a buffer of its own rather than copied into the frame (`send_parts`):
+below it, one write of a joined frame is cheaper than two writes."""
 
 
 class _Sentinel:
@@ -35,6 +38,7 @@ NEED_DATA = _Sentinel("NEED_DATA")
 """`next_event()`: no whole frame is buffered yet; feed more bytes."""
 EOF_ = _Sentinel("EOF")
 """`next_event()`: the peer closed the stream cleanly, between frames."""
+_EMPTY = memoryview(b"")
 
 
 class Codec:
@@ -43,20 +47,23 @@ class Codec:
     Only `ProtocolError` escapes decoding; once raised, the codec is dead and re-raises it. The buffer holds at most
     one frame (header + `max_frame`) plus the last chunk fed, provided the caller drains `next_event()` until
     NEED_DATA before feeding more.
+
+    Received bytes are never copied into a growing buffer: a frame that lies inside one received chunk is decoded
+    from a view of it, and a frame spread over several chunks is joined once, exactly, when its last byte is in.
+    Every payload is therefore decoded from immutable bytes, which is what lets a bulk field (`ShipChunk.data`)
+    come out as a zero-copy read-only view (NOTES.md "Weight shipping").
     """
 
-    __slots__ = ("max_frame", "version", "_buf", "_pending", "_pending_len", "_eof", "_error", "last_size")
+    __slots__ = ("max_frame", "version", "_head", "_more", "_more_len", "_eof", "_error", "last_size")
 
     def __init__(self, *, max_frame: int = MAX_FRAME, version: int = PROTOCOL_VERSION) -> None:
         if max_frame < 0 or max_frame > 0xFFFFFFFF:
             raise ValueError(f"max_frame must be in [0, 2**32), got {max_frame}")
         self.max_frame = max_frame
         self.version = version
-        self._buf = bytearray()
-        # Chunks of a large frame's payload are kept aside and joined once when the frame is complete, rather than
-        # grown into the buffer chunk by chunk (each growth can copy the whole buffer).
-        self._pending: list[bytes] = []
-        self._pending_len = 0
+        self._head = _EMPTY  # a view of the oldest unconsumed received bytes
+        self._more: list[memoryview] = []  # later chunks, kept as received until a frame needs them
+        self._more_len = 0
         self._eof = False
         self._error: ProtocolError | None = None
         self.last_size = 0
@@ -73,33 +80,45 @@ class Codec:
             return
         if self._eof:
             raise RuntimeError("receive_data after EOF")
-        if len(self._buf) < HEADER_SIZE:
-            self._buf += data
-            self._check_header()
-            return
-        need = HEADER_SIZE + HEADER.unpack_from(self._buf)[3]  # validated when the header completed
-        if len(self._buf) >= need:
-            self._buf += data
-            return
-        self._pending.append(data)
-        self._pending_len += len(data)
-        if len(self._buf) + self._pending_len >= need:
-            self._buf = bytearray().join([self._buf, *self._pending])
-            self._pending.clear()
-            self._pending_len = 0
+        if type(data) is not bytes:
+            data = bytes(data)  # decoded views must never alias memory the caller may reuse
+        if not self._head and not self._more:
+            self._head = memoryview(data)
+        else:
+            self._more.append(memoryview(data))
+            self._more_len += len(data)
+        self._check_header()  # an oversized or bogus frame is refused before its payload is buffered
 
     def _fail(self, code: ErrorCode, reason: str) -> ProtocolError:
         self._error = ProtocolError(code, reason)
-        self._buf = bytearray()  # let go of whatever the peer sent us
-        self._pending.clear()
-        self._pending_len = 0
+        self._head = _EMPTY  # let go of whatever the peer sent us
+        self._more.clear()
+        self._more_len = 0
         return self._error
 
     def _check_header(self) -> tuple[int, int] | None:
         """Validate the buffered header; (type, length) or None when the header is incomplete."""
-        if len(self._buf) < HEADER_SIZE:
-            return None
-        version, type_byte, flags, length = HEADER.unpack_from(self._buf)
+        head = self._head
+        if len(head) < HEADER_SIZE:
+            if len(head) + self._more_len < HEADER_SIZE:
+                return None
+            if not head:  # the previous frame ended exactly at a chunk's end
+                head = self._head = self._more.pop(0)
+                self._more_len -= len(head)
+        if len(head) < HEADER_SIZE:
+            # The header straddles received chunks: gather its 8 bytes alone (the chunks stay uncopied).
+            pieces, n = [head], len(head)
+            while n < HEADER_SIZE:
+                piece = self._more.pop(0)
+                self._more_len -= len(piece)
+                cut = min(len(piece), HEADER_SIZE - n)
+                pieces.append(piece[:cut])
+                n += cut
+                if cut < len(piece):
+                    self._more.insert(0, piece[cut:])
+                    self._more_len += len(piece) - cut
+            head = self._head = memoryview(b"".join(pieces))
+        version, type_byte, flags, length = HEADER.unpack_from(head)
         if version != self.version:
             raise self._fail(ErrorCode.UNSUPPORTED_VERSION,
                              f"frame version {version}, this connection speaks version {self.version}")
@@ -112,40 +131,73 @@ class Codec:
             raise self._fail(ErrorCode.MALFORMED, f"{MsgType(type_byte).name} frame has reserved flags 0x{flags:04x}")
         return type_byte, length
 
+    def _take_frame(self, end: int) -> memoryview:
+        """Remove the first `end` buffered bytes (one whole frame) and return them as a view of immutable bytes."""
+        head = self._head
+        if len(head) >= end:
+            self._head = head[end:]
+            return head[:end]
+        pieces, n = [head], len(head)
+        while True:
+            piece = self._more.pop(0)
+            self._more_len -= len(piece)
+            if n + len(piece) >= end:
+                cut = end - n
+                pieces.append(piece[:cut])
+                rest = piece[cut:]
+                if rest:
+                    self._head = rest
+                elif self._more:
+                    self._head = self._more.pop(0)
+                    self._more_len -= len(self._head)
+                else:
+                    self._head = _EMPTY
+                return memoryview(b"".join(pieces))
+            pieces.append(piece)
+            n += len(piece)
+
     def next_event(self) -> Event | _Sentinel:
         """The next whole event, NEED_DATA, or EOF. Raises ProtocolError."""
         if self._error is not None:
             raise self._error
         header = self._check_header()
-        if header is None or len(self._buf) < HEADER_SIZE + header[1]:
+        if header is None or self.buffered() < HEADER_SIZE + header[1]:
             if not self._eof:
                 return NEED_DATA
-            if not self._buf:
+            if not self.buffered():
                 return EOF_
             want = HEADER_SIZE + header[1] if header else HEADER_SIZE
             raise self._fail(ErrorCode.TRUNCATED,
                              f"connection closed mid-frame ({self.buffered()} of {want} bytes)")
         type_byte, length = header
         end = HEADER_SIZE + length
-        with memoryview(self._buf) as view:
-            try:
-                event = decode_payload(MsgType(type_byte), view[HEADER_SIZE:end])
-            except ProtocolError as exc:
-                raise self._fail(exc.code, exc.reason) from None
-        del self._buf[:end]
+        frame = self._take_frame(end)
+        try:
+            event = decode_payload(MsgType(type_byte), frame[HEADER_SIZE:])
+        except ProtocolError as exc:
+            raise self._fail(exc.code, exc.reason) from None
         self.last_size = end
         return event
 
     def buffered(self) -> int:
         """Bytes received and not yet returned as events."""
-        return len(self._buf) + self._pending_len
+        return len(self._head) + self._more_len
 
     # ------------------------------------------------------------------ sending
 
     def send(self, event: Event) -> bytes:
         """The bytes of one frame carrying `event`. ValueError if the event cannot be encoded or is too large."""
+        return b"".join(self.send_parts(event))
+
+    def send_parts(self, event: Event) -> list:
+        """One frame carrying `event`, as buffers to write in order: the header and small fields joined, a bulk last
+        field (>= BULK bytes, e.g. ShipChunk.data) left as it is, so a sender does not copy it to frame it.
+        ValueError if the event cannot be encoded or is too large."""
         chunks = encode_payload(event)
         length = sum(len(c) for c in chunks)
         if length > self.max_frame:
             raise ValueError(f"{type(event).__name__} frame of {length} bytes exceeds max_frame {self.max_frame}")
-        return b"".join([HEADER.pack(self.version, event.TYPE, 0, length), *chunks])
+        header = HEADER.pack(self.version, event.TYPE, 0, length)
+        if chunks and len(chunks[-1]) >= BULK:
+            return [b"".join([header, *chunks[:-1]]), chunks[-1]]
+        return [b"".join([header, *chunks])]

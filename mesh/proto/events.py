@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from . import wire
 from .errors import ErrorCode, ProtocolError
-from .wire import BOOL, BYTES, F64, I32, STR, U16, U32, U32S, U64, U8, Reader
+from .wire import BOOL, BYTES, F64, I32, STR, U16, U32, U32S, U64, U8, VIEW, Reader
 
 
 class MsgType(IntEnum):
@@ -646,11 +646,13 @@ class ShipResume(Event):
     offset: int
 
 
-@_message(MsgType.SHIP_CHUNK, U64, BYTES)
+@_message(MsgType.SHIP_CHUNK, U64, VIEW)
 @dataclass(frozen=True, slots=True)
 class ShipChunk(Event):
+    """`data` decodes as a read-only memoryview of the received frame (no copy); it compares equal to bytes."""
+
     offset: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @_message(MsgType.SHIP_END, BYTES)

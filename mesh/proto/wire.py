@@ -144,6 +144,19 @@ class Bytes(Field):
         return bytes(r.take(n, field))
 
 
+class View(Bytes):
+    """Bytes that decode to a read-only view of the payload instead of a copy: for bulk data (a 1 MiB ShipChunk
+    would otherwise be copied once more on the receive path). The Codec decodes only from immutable bytes, so the
+    view can never change under its holder; a payload over mutable memory is copied."""
+
+    __slots__ = ()
+
+    def get(self, r: Reader, field: str) -> bytes | memoryview:
+        (n,) = r.unpack(_LEN, field, "length")
+        view = r.take(n, field)
+        return view if view.readonly else bytes(view)
+
+
 class Str(Field):
     __slots__ = ()
     label = "str"
@@ -223,5 +236,6 @@ I32 = Int("i", "i32")
 F64 = Float()
 BOOL = Bool()
 BYTES = Bytes()
+VIEW = View()
 STR = Str()
 U32S = Array("I", "u32")
