@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import deque
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
@@ -33,7 +34,7 @@ from engine.arena import (EGRESS, INGRESS, RECORD_HEADER_LEN, Arena, ArenaError,
 from engine.errors import EngineError
 from engine.worker_proto import (MAX_LINE, Command, CommandError, Done, Envelope, Fatal, Initialize, Load, Loaded,
                                  Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireColumn, WireError,
-                                 WorkerInfo, ZeroSlot, command_name, decode_event, encode_command)
+                                 WorkerInfo, ZeroSlot, command_name, compact_sampling, decode_event, encode_command)
 
 __all__ = ["open_worker", "Worker", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
            "DEFAULT_ARENA_BYTES"]
@@ -100,6 +101,8 @@ def _wire_sampling(sampling: Any) -> tuple[tuple[dict[str, Any], ...], bool]:
                                              f"got {type(s).__name__}")
         fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         out.append({k: v.item() if isinstance(v, np.generic) else v for k, v in fields.items()})
+    if all(compact_sampling(s) for s in out):
+        return tuple(out), per_column  # plain finite numbers: nothing for the encoder to refuse
     try:
         json.dumps(out, allow_nan=False)  # refuse here, before a step's input is written to the ring
     except (TypeError, ValueError) as exc:
@@ -118,7 +121,7 @@ class Worker:
         self.egress = RingReader(arena, EGRESS)
         self.ready: Ready | None = None
         self.info: WorkerInfo | None = None
-        self.events: list[Envelope] = []  # the most recent envelopes, for diagnostics
+        self.events: deque[Envelope] = deque(maxlen=64)  # the most recent envelopes, for diagnostics
         self._lock = trio.StrictFIFOLock()
         self._cid = 0
         self._step_id = 0
@@ -159,7 +162,8 @@ class Worker:
 
     async def step(self, cols: Sequence[Any], hidden: np.ndarray | None, sampling: Any) -> np.ndarray:
         """Like `Stage.step`: (len(cols), dim) activations for a non-last stage, int32 token ids for the last."""
-        async with self._lock:
+        await self._acquire()
+        try:
             self._check_usable()
             wire = self._wire_step(cols, sampling)  # everything that can refuse goes before the ring write
             step_id = self._next_step_id()
@@ -171,6 +175,8 @@ class Worker:
                     self._step_id -= 1
                     raise WorkerCommandError("Step", str(exc)) from None
             return await self._step_locked(step_id, wire, len(cols), ref)
+        finally:
+            self._lock.release()
 
     async def step_record(self, cols: Sequence[Any], ref: RecordRef | None, sampling: Any) -> np.ndarray:
         """`step` with an input the caller already wrote to the ingress ring, as
@@ -248,6 +254,14 @@ class Worker:
         async with self._lock:
             return await self._request_locked(make, expect, closing=closing)
 
+    async def _acquire(self) -> None:
+        # A decode step takes the lock uncontended; acquire() would still pass through trio's scheduler once.
+        # The wait for the reply is the step's checkpoint.
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
     async def _request_locked(self, make: Any, expect: type, *, closing: bool = False) -> Any:
         if self._closed and not closing:
             raise WorkerError(f"worker process {self.pid} is closed")
@@ -289,13 +303,22 @@ class Worker:
             raise self._break(WorkerFatal(f"record.{exc.field}", str(exc))) from None
 
     async def _send(self, name: str, line: bytes) -> None:
-        # shielded: a half-written command line would desynchronize the channel for good; lines are small and the
-        # child drains stdin between commands, so this does not block for long
-        with trio.CancelScope(shield=True):
-            try:
-                await self.process.stdin.send_all(line)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise await self._died(name) from None
+        # The line goes straight to the non-blocking pipe: a step's line is far below the pipe's buffer and the
+        # child drains stdin between commands, so one write() takes it whole without a trip through the scheduler.
+        # What does not fit goes through the stream, shielded: a half-written command line would desynchronize the
+        # channel for good.
+        try:
+            sent = os.write(self.process.stdin.fileno(), line)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # EPIPE: the child is gone; EBADF: the pipe was closed
+            raise await self._died(name) from None
+        if sent < len(line):
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.process.stdin.send_all(memoryview(line)[sent:])
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    raise await self._died(name) from None
 
     async def _next_event(self, during: str) -> Envelope:
         while True:
@@ -306,9 +329,18 @@ class Worker:
                 return self._decode(line)
             if len(self._buf) > MAX_LINE:
                 raise self._break(WorkerFatal("protocol", f"event line longer than {MAX_LINE} bytes"))
+            # read() on the non-blocking pipe, waiting only when it is empty: the stream's receive_some would add a
+            # pass through the scheduler before it looks
+            fd = self.process.stdout.fileno()
             try:
-                chunk = await self.process.stdout.receive_some(1 << 16)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:
+                    raise await self._died(during) from None
+                continue
+            except OSError:
                 chunk = b""
             if not chunk:
                 raise await self._died(during)
@@ -325,7 +357,6 @@ class Worker:
             raise self._break(WorkerFatal("protocol", f"event from pid {env.pid}, the worker is {self.pid}"))
         self._last_seq = env.seq
         self.events.append(env)
-        del self.events[:-64]
         return env
 
     async def _died(self, during: str) -> WorkerError:

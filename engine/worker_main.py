@@ -67,6 +67,9 @@ class WorkerLoop:
         self.initialized = False
         self.stage = None
         self.last_step_id = -1
+        self.handlers = {Initialize: self.on_initialize, Load: self.on_load, Step: self.on_step,
+                         ZeroSlot: self.on_zero_slot, Reset: self.on_reset, Rollback: self.on_rollback,
+                         Shutdown: self.on_shutdown}
 
     # ---- dispatch ----
 
@@ -79,10 +82,7 @@ class WorkerLoop:
             self.out.emit(CommandError(exc.command, str(exc)), exc.cid)
             return
         try:
-            handler = {Initialize: self.on_initialize, Load: self.on_load, Step: self.on_step,
-                       ZeroSlot: self.on_zero_slot, Reset: self.on_reset, Rollback: self.on_rollback,
-                       Shutdown: self.on_shutdown}[type(cmd)]
-            self.out.emit(handler(cmd), cmd.cid)
+            self.out.emit(self.handlers[type(cmd)](cmd), cmd.cid)
         except _Refuse as exc:
             self.out.emit(CommandError(command_name(cmd), str(exc)), cmd.cid)
         except _Exit:

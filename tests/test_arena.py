@@ -199,6 +199,83 @@ def test_event_without_envelope_is_refused():
         decode_event(b'{"type":"Stopped","reason":"x"}')
 
 
+_FULL = {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 12345678901}
+_HOT_STEP = Step(21, 17, (WireColumn(100, 2, True, 42),), (_FULL,), False, RecordRef(INGRESS, 4096, 17, 16, 2304))
+
+
+def _json_form(msg) -> bytes:
+    # what the JSON encoder writes for a message that would otherwise go compact
+    import json
+    return json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 64), st.booleans(), st.integers(-1, 1 << 31)),
+                min_size=1, max_size=70),
+       st.lists(st.fixed_dictionaries({"temperature": st.floats(0, 1e6), "top_k": st.integers(0, 1 << 20),
+                                       "top_p": st.floats(1e-300, 1.0), "seed": st.integers(-(1 << 63), 1 << 64)}),
+                max_size=3),
+       st.booleans(), st.none() | st.tuples(*[st.integers(0, 1 << 50)] * 5))
+def test_step_has_a_compact_form_that_round_trips_exactly(cols, sampling, per_column, ref):
+    cmd = Step(3, 9, tuple(WireColumn(*c) for c in cols), tuple(sampling), per_column,
+               None if ref is None else RecordRef(*ref))
+    line = encode_command(cmd)
+    assert line.startswith(b"Step ") and line.count(b"\n") == 1
+    back = decode_command(line)
+    assert back == cmd
+    assert decode_command(_json_form(cmd)) == cmd  # the JSON form of the same step reads the same
+
+
+def test_steps_the_compact_form_cannot_carry_exactly_go_as_json():
+    for sampling in ({"temperature": 0.5, "seed": 3}, {**_FULL, "temperature": 1}, {**_FULL, "min_p": 0.1}):
+        cmd = dataclasses.replace(_HOT_STEP, sampling=(sampling,))
+        line = encode_command(cmd)
+        assert line.startswith(b"{") and decode_command(line) == cmd
+    with pytest.raises(ValueError):  # NaN is refused as before, by the JSON encoder
+        encode_command(dataclasses.replace(_HOT_STEP, sampling=({**_FULL, "top_p": float("nan")},)))
+
+
+@pytest.mark.parametrize("line, match", [
+    (b"Step 21 17 0 1 100 2 1 42 1 0.7 40 0.9 1 -\n", None),  # the reference line, accepted
+    (b"Step 21 17 0 1 +100 2 1 42 1 0.7 40 0.9 1 -\n", "canonical"),
+    (b"Step 21 17 0 1 1_00 2 1 42 1 0.7 40 0.9 1 -\n", "canonical"),
+    (b"Step 21 17 0 1 100 2 2 42 1 0.7 40 0.9 1 -\n", r"columns\[0\].needs_logits: expected 0 or 1"),
+    (b"Step 21 17 0 1 100 2 1 42 1 0.70 40 0.9 1 -\n", "canonical"),
+    (b"Step 21 17 0 1 100 2 1 42 1 nan 40 0.9 1 -\n", "canonical"),
+    (b"Step 21 17 0 1 100 2 1 42 1 0.7 4.0 0.9 1 -\n", r"sampling\[0\].top_k: expected an integer"),
+    (b"Step 21 17 0 2 100 2 1 42 1 0.7 40 0.9 1 -\n", r"columns\[1\].slot: expected an integer"),
+    (b"Step 21 17 0 1 100 2 1 42 1 0.7 40 0.9 1 - 5\n", r"1 field\(s\) after the last one"),
+    (b"Step 21 17 0 1 100 2 1 42 1 0.7 40 0.9 1 0 64 17 16\n", "line ends before input.extent"),
+    (b"Step 21 17 0 1 100  2 1 42 1 0.7 40 0.9 1 -\n", "expected an integer, got b''"),
+])
+def test_non_canonical_compact_steps_are_wire_errors_naming_the_step(line, match):
+    if match is None:
+        assert decode_command(line).columns == (WireColumn(100, 2, True, 42),)
+        return
+    with pytest.raises(WireError, match=match) as info:
+        decode_command(line)
+    assert (info.value.command, info.value.cid) == ("Step", 21)  # the worker can answer it with a CommandError
+
+
+def test_step_done_has_a_compact_form_that_keeps_the_envelope():
+    ev = StepDone(17, RecordRef(EGRESS, 128, 17, 16, 4), 35.123456789)
+    line = encode_event(ev, seq=40, wall_ms=1796041672439.3352, mono_ms=659803.301434,
+                        span_id="worker-77/40/StepDone", pid=77, reply_to=21)
+    assert line.startswith(b"StepDone ")
+    env = decode_event(line)
+    assert env.event == ev and (env.seq, env.wall_ms, env.mono_ms, env.span_id, env.pid, env.reply_to) == \
+        (40, 1796041672439.3352, 659803.301434, "worker-77/40/StepDone", 77, 21)
+    # a span id with a blank has no compact form: the event goes as JSON and reads the same
+    spaced = encode_event(ev, seq=40, wall_ms=1.0, mono_ms=2.0, span_id="a b", pid=77, reply_to=21)
+    assert spaced.startswith(b"{") and decode_event(spaced).span_id == "a b"
+    for bad, match in [(line.replace(b" 77 ", b" 077 "), "canonical"), (line.replace(b" 4 ", b" x "),
+                                                                        "output.extent: expected an integer"),
+                       (line[:-1] + b" 1\n", "after the last one"), (line.replace(b"StepDone 40", b"StepDone 4.0"),
+                                                                      "seq: expected an integer")]:
+        with pytest.raises(WireError, match=match):
+            decode_event(bad)
+
+
 # ---- device choice ----
 
 def _which(present):
