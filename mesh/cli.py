@@ -133,12 +133,12 @@ async def _run_coord(cfg, args) -> None:
         port = await coord.serve_registry(nursery)
         logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
                                              cfg.listen, port, cfg.min_peers)
-        async with AsyncExitStack() as stack:
-            fleet, pipe = await coord.form(nursery, stack)
-            if args.prompt is not None:
+        if args.prompt is not None:
+            async with AsyncExitStack() as stack:
+                _, pipe = await coord.form(nursery, stack)
                 await _answer_once(coord, pipe, args, sampling)
-            else:
-                await _chat(coord, pipe, args, sampling)
+        else:
+            await _chat(coord, nursery, args, sampling)
         nursery.cancel_scope.cancel()
 
 
@@ -163,30 +163,86 @@ async def _answer_once(coord, pipe, args, sampling) -> None:
     sys.stdout.flush()
 
 
-async def _chat(coord, pipe, args, sampling) -> None:
-    """Interactive chat: each turn re-renders the conversation and prefills only what the cache does not hold."""
+class _Shown:
+    """Standard output for one answer. It counts the characters that reached the user, so that an answer begun
+    again on a re-formed mesh prints only what the user has not seen yet: generation is deterministic (greedy, or
+    sampled from Philox(seed, position)) and any split gives bitwise the same tokens, so the text repeats exactly."""
+
+    def __init__(self, out, skip: int) -> None:
+        self.out, self.skip, self.written = out, skip, 0
+
+    def write(self, text: str) -> None:
+        self.written += len(text)
+        cut = min(self.skip, len(text))
+        self.skip -= cut
+        if text[cut:]:
+            self.out.write(text[cut:])
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+CHAT_RETRIES = 3     # a turn is tried this many times more on a re-formed mesh before the chat gives up
+REJOIN_SECONDS = 15  # how long a re-form waits for the survivors of a lost session to re-join
+
+
+async def _chat(coord, nursery, args, sampling) -> None:
+    """Interactive chat: each turn re-renders the conversation and prefills only what the cache does not hold.
+
+    A stage lost mid-turn does not end the chat: the session closes (the surviving peers re-join), the mesh
+    re-forms from whoever is in the pool, re-planning the layers, and the turn is answered again from the start of
+    the conversation. The user sees a pause, then the rest of the answer."""
+    from dataclasses import replace
+
+    from mesh.errors import SessionError
+
     history: list[dict] = []
-    held: list[int] = []          # token ids whose KV the stages hold, in order
+    line: str | None = None       # the turn being answered; kept across a re-form
+    shown = 0                     # characters of that turn's answer already on the user's screen
+    retries = 0
+    lost: list = []               # the members of a session that lost a stage
     print("mesh chat: type a message, an empty line or Ctrl-D ends.", file=sys.stderr, flush=True)
     while True:
-        sys.stdout.write("> ")
-        sys.stdout.flush()
-        line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-        if not line.strip():
-            return
-        ids = coord.encode(line.rstrip("\n"), template=args.template, history=tuple(history))
-        common = 0
-        for a, b in zip(held, ids):
-            if a != b:
-                break
-            common += 1
-        out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling, resume_from=common,
-                                 stream_to=sys.stdout)
-        sys.stdout.write("\n")
-        held = ids + out[:-1]     # the last token was generated but never fed back
-        history += [{"role": "user", "content": line.rstrip("\n")},
-                    {"role": "assistant", "content": coord.tokenizer.decode([t for t in out
-                                                                             if t not in coord.tokenizer.eos_ids])}]
+        if lost:
+            with trio.move_on_after(REJOIN_SECONDS):       # then whoever is pooled forms the next fleet
+                await coord.registry.wait_rejoined(lost, len(lost) - 1)
+            coord.cfg = replace(coord.cfg, min_peers=1)
+        async with AsyncExitStack() as stack:
+            fleet, pipe = await coord.form(nursery, stack)
+            held: list[int] = []      # token ids whose KV the stages hold, in order: nothing on a new fleet
+            while True:
+                if line is None:
+                    sys.stdout.write("> ")
+                    sys.stdout.flush()
+                    line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+                    if not line.strip():
+                        return
+                    line, shown, retries = line.rstrip("\n"), 0, 0
+                ids = coord.encode(line, template=args.template, history=tuple(history))
+                common = 0
+                for a, b in zip(held, ids):
+                    if a != b:
+                        break
+                    common += 1
+                screen = _Shown(sys.stdout, skip=shown)
+                try:
+                    out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
+                                             resume_from=common, stream_to=screen)
+                except SessionError as exc:
+                    shown = max(shown, screen.written)
+                    retries += 1
+                    if retries > CHAT_RETRIES:
+                        raise
+                    print(f"\nmesh chat: {exc}; re-forming the mesh from the peers that are left "
+                          f"(attempt {retries} of {CHAT_RETRIES})", file=sys.stderr, flush=True)
+                    lost = fleet.members
+                    break                 # leaving the session sends every surviving peer back to re-join
+                sys.stdout.write("\n")
+                held = ids + out[:-1]     # the last token was generated but never fed back
+                history += [{"role": "user", "content": line},
+                            {"role": "assistant", "content": coord.tokenizer.decode(
+                                [t for t in out if t not in coord.tokenizer.eos_ids])}]
+                line = None
 
 
 # ---- mesh-peer -----------------------------------------------------------------------------------------------

@@ -110,6 +110,12 @@ class Registry:
         self._changed.set()
         self._changed = trio.Event()
 
+    async def wait_rejoined(self, session: list[Member], n: int) -> None:
+        """After a session lost a stage: wait until that session's members have left the pool (they re-join as new
+        members once released) and `n` peers are pooled again. The caller bounds the wait."""
+        while any(m in self.members for m in session) or len(self.members) < n:
+            await self._changed.wait()
+
     async def wait_for(self, n: int, settle: float) -> list[Member]:
         """Wait until `n` peers are pooled, then for a settling window that absorbs stragglers; snapshot the pool."""
         while len(self.members) < n:
