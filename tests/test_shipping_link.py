@@ -16,7 +16,8 @@ import trio.testing
 from engine.gguf_range import LayerRangeError, plan_range_gguf
 from mesh import proto
 from mesh.link import open_link
-from mesh.shipping import ProgressBoard, ShipBusy, ShipCache, ShipFailed, ShipReceiver, serve_ship, ship_range
+from mesh.shipping import (SINK_DEPTH, ProgressBoard, ShipBusy, ShipCache, ShipFailed, ShipReceiver, serve_ship,
+                           ship_range)
 from tests.test_gguf_range import write_model
 
 TOKEN = b"fleet-token"
@@ -246,6 +247,52 @@ async def test_a_stalled_receiver_bounds_what_is_in_flight(model, cache):
     # Frames cost their header too, and a frame may overrun the credit by one: the window plus one chunk.
     assert worst[0] <= window + CHUNK
     assert hashlib.sha256(cache.entry(plan.fingerprint, 0, 4).read_bytes()).digest() == plan.sha256()
+
+
+async def test_a_stalled_disk_bounds_what_the_receiver_holds(model, cache):
+    # serve_ship hands chunks to its writer thread without waiting for each write; a disk that stops must still
+    # stop the sender, through the sink's few slots and then the Link's credit.
+    plan = plan_range_gguf(model, 0, 4)
+    window = 8 * CHUNK
+    go = threading.Event()
+    written, sent, worst = [0], [0], [0]
+    plan.sha256()
+
+    def stuck_write(fd, view):
+        if written[0] >= 2 * CHUNK:
+            assert go.wait(30)
+        n = os.write(fd, view)
+        written[0] += n
+        return n
+
+    def on_chunk(n):
+        sent[0] += n
+        worst[0] = max(worst[0], sent[0] - written[0])
+
+    results = []
+    with trio.fail_after(60):
+        async with link_pair(window=window) as (coord, peer), trio.open_nursery() as nursery:
+            nursery.start_soon(partial(peer_side, peer, cache, results, write=stuck_write))
+            done = trio.Event()
+
+            async def shipper():
+                await ship_range(CountingLink(coord, on_chunk), plan, chunk=CHUNK,
+                                 board=ProgressBoard(io.StringIO(), tty=False))
+                done.set()
+
+            nursery.start_soon(shipper)
+            for _ in range(30):  # let both sides run until the stuck write holds everything up
+                await trio.to_thread.run_sync(lambda: None)
+                await trio.testing.wait_all_tasks_blocked()
+            stalled_at = sent[0]
+            assert written[0] == 2 * CHUNK and window <= stalled_at < plan.size and not done.is_set()
+            go.set()
+            await done.wait()
+            nursery.cancel_scope.cancel()
+    # The Link's window (plus one frame of overrun) and the sink's slots, each a chunk.
+    assert worst[0] <= window + (SINK_DEPTH + 1) * CHUNK
+    assert results == [cache.entry(plan.fingerprint, 0, 4)]
+    assert hashlib.sha256(results[0].read_bytes()).digest() == plan.sha256()
 
 
 @pytest.mark.parametrize("answer,why", [
