@@ -46,7 +46,7 @@ async def tiny_overheads() -> None:
         path = write_tiny_gguf(Path(d) / "tiny.gguf", n_layers=2, dim=64, vocab_size=256)
         async with open_worker(device="CPU") as w:
             print(f"worker ready: device {w.ready.device}, probe {w.ready.probe_ms:.0f} ms")
-            await w.load(path, 0, 1, n_slots=2, max_context=64)
+            await w.load(path, 0, 1, n_slots=2, max_context=256)
             n = 200
             t0 = time.perf_counter()
             for _ in range(n):
@@ -54,15 +54,24 @@ async def tiny_overheads() -> None:
             print(f"control round trip (Rollback): {(time.perf_counter() - t0) / n * 1e6:.0f} us")
             for i in range(3):  # compile and capture
                 await w.step([Column(i, 0, False, 5)], None, Sampling())
-            walls, computes = [], []
-            for i in range(3, 43):
-                t0 = time.perf_counter()
+            walls, computes, legs = [], [], []
+            for i in range(3, 203):
+                t0 = time.monotonic_ns() / 1e6
                 await w.step([Column(i, 0, False, 5)], None, Sampling())
-                walls.append(time.perf_counter() - t0)
-                computes.append(w.events[-1].event.compute_ms / 1000)
+                t1 = time.monotonic_ns() / 1e6
+                env = w.events[-1]
+                c = env.event.compute_ms
+                walls.append(t1 - t0)
+                computes.append(c)
+                # client before the write | write to the child's decode..encode minus compute | emit to read | after
+                legs.append((w.sent_mono_ms - t0, env.mono_ms - w.sent_mono_ms - c, w.received_mono_ms - env.mono_ms,
+                             t1 - w.received_mono_ms))
             over = np.median(np.array(walls) - np.array(computes))
-            print(f"tiny decode step: wall {np.median(walls) * 1e3:.2f} ms, compute {np.median(computes) * 1e3:.2f} ms, "
-                  f"worker overhead {over * 1e3:.2f} ms (medians of 40)")
+            print(f"tiny decode step: wall {np.median(walls):.3f} ms, compute {np.median(computes):.3f} ms, "
+                  f"worker overhead {over:.3f} ms (medians of {len(walls)})")
+            pre, child, back, post = np.median(np.array(legs), axis=0) * 1000
+            print(f"  overhead legs (medians, us): client before the write {pre:.0f}, write -> child's event minus "
+                  f"compute {child:.0f}, event -> client's read {back:.0f}, client after the read {post:.0f}")
 
 
 async def smollm2(n: int = 40) -> None:

@@ -61,6 +61,9 @@ class PayloadKind(enum.IntEnum):
 _KIND_DTYPE = {PayloadKind.TOKENS_I32: np.dtype("<i4"), PayloadKind.ACT_F16: np.dtype("<f2"),
                PayloadKind.ACT_F32: np.dtype("<f4")}
 _KIND_MASK = 0xFF
+_KIND_BY_DTYPE = {dt: kind for kind, dt in _KIND_DTYPE.items()}
+_ITEMSIZE = {int(kind): dt.itemsize for kind, dt in _KIND_DTYPE.items()}
+_DTYPE_BY_VALUE = {int(kind): dt for kind, dt in _KIND_DTYPE.items()}
 
 
 class ArenaError(EngineError):
@@ -111,6 +114,9 @@ class RecordHeader:
 
 
 def kind_for_dtype(dtype: np.dtype | type) -> PayloadKind:
+    kind = _KIND_BY_DTYPE.get(dtype)  # the per-step case: an array's own dtype, one hash lookup
+    if kind is not None:
+        return kind
     dt = np.dtype(dtype)
     for kind, kdt in _KIND_DTYPE.items():
         if dt == kdt:
@@ -250,9 +256,8 @@ class RingWriter:
             raise RingFull(f"{name} ring has no room for {need} bytes: the reader has not released earlier records")
         off = self.arena.data_base(self.ring) + pos % cap
         buf = self.arena.buffer
-        header = RecordHeader(RECORD_MAGIC, RECORD_VERSION, RECORD_HEADER_LEN, object_id, self._next_sequence,
-                              extent, int(kind), 0)
-        buf[off:off + RECORD_HEADER_LEN] = header.pack()
+        _RECORD_HEADER.pack_into(buf, off, RECORD_MAGIC, RECORD_VERSION, RECORD_HEADER_LEN, object_id,
+                                 self._next_sequence, extent, int(kind), 0)
         if extent:
             np.frombuffer(buf, np.uint8, extent, off + RECORD_HEADER_LEN)[:] = data
         ref = RecordRef(self.ring, pos, object_id, self._next_sequence, extent)
@@ -277,7 +282,7 @@ class RingReader:
     def view(self, ref: RecordRef) -> np.ndarray:
         """The payload as a 1-D array aliasing the arena (valid until `release`). Raises RecordError."""
         header = self.check(ref)
-        dtype = dtype_for_kind(PayloadKind(header.flags & _KIND_MASK))
+        dtype = _DTYPE_BY_VALUE[header.flags & _KIND_MASK]
         off = self.arena.data_base(self.ring) + ref.position % self.arena.capacity + RECORD_HEADER_LEN
         return np.frombuffer(self.arena.buffer, dtype, header.extent // dtype.itemsize, off)
 
@@ -301,14 +306,13 @@ class RingReader:
             raise RecordError("alignment", f"{where}: ref names ring {ref.ring}, this reader reads {self.ring}")
         if ref.position % RECORD_ALIGN:
             raise RecordError("alignment", f"{where}: not a multiple of {RECORD_ALIGN} bytes")
-        if ref.position < self.arena.read_position(self.ring):
-            raise RecordError("sequence", f"{where}: lies before the read position "
-                                          f"{self.arena.read_position(self.ring)}, already consumed")
+        read = self.arena.read_position(self.ring)
+        if ref.position < read:
+            raise RecordError("sequence", f"{where}: lies before the read position {read}, already consumed")
         off = ref.position % cap
         if off + RECORD_HEADER_LEN > cap:
             raise RecordError("alignment", f"{where}: header would run past the ring's end ({cap} bytes)")
-        base = self.arena.data_base(self.ring) + off
-        h = RecordHeader.unpack(self.arena.buffer[base:base + RECORD_HEADER_LEN])
+        h = RecordHeader(*_RECORD_HEADER.unpack_from(self.arena.buffer, self.arena.data_base(self.ring) + off))
         if h.magic != RECORD_MAGIC:
             raise RecordError("magic", f"{where}: magic {h.magic!r}, expected {RECORD_MAGIC!r}")
         if h.version != RECORD_VERSION:
@@ -325,12 +329,10 @@ class RingReader:
                                           f"(ref says {ref.sequence})")
         if h.extent != ref.extent or off + RECORD_HEADER_LEN + h.extent > cap:
             raise RecordError("extent", f"{where}: extent {h.extent}, ref says {ref.extent}, room {cap - off - RECORD_HEADER_LEN}")
-        kind = h.flags & _KIND_MASK
-        if h.flags & ~_KIND_MASK or kind not in PayloadKind._value2member_map_:
+        itemsize = _ITEMSIZE.get(h.flags)  # a known kind in the low byte and no other bit set
+        if itemsize is None:
             raise RecordError("flags", f"{where}: flags {h.flags:#x} name no known payload kind")
-        itemsize = _KIND_DTYPE[PayloadKind(kind)].itemsize
         if h.extent % itemsize:
             raise RecordError("alignment", f"{where}: extent {h.extent} is not a multiple of the "
-                                           f"{PayloadKind(kind).name} item size {itemsize}")
+                                           f"{PayloadKind(h.flags).name} item size {itemsize}")
         return h
-

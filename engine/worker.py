@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -122,6 +123,10 @@ class Worker:
         self.ready: Ready | None = None
         self.info: WorkerInfo | None = None
         self.events: deque[Envelope] = deque(maxlen=64)  # the most recent envelopes, for diagnostics
+        # CLOCK_MONOTONIC in ms (the envelope's mono_ms clock) when the last command line went out and the last event
+        # line was taken in: with an event's mono_ms and compute_ms they split a round trip into its legs
+        self.sent_mono_ms = 0.0
+        self.received_mono_ms = 0.0
         self._lock = trio.StrictFIFOLock()
         self._cid = 0
         self._step_id = 0
@@ -307,6 +312,7 @@ class Worker:
         # child drains stdin between commands, so one write() takes it whole without a trip through the scheduler.
         # What does not fit goes through the stream, shielded: a half-written command line would desynchronize the
         # channel for good.
+        self.sent_mono_ms = time.monotonic_ns() / 1e6
         try:
             sent = os.write(self.process.stdin.fileno(), line)
         except BlockingIOError:
@@ -324,6 +330,7 @@ class Worker:
         while True:
             nl = self._buf.find(b"\n")
             if nl >= 0:
+                self.received_mono_ms = time.monotonic_ns() / 1e6
                 line = bytes(self._buf[:nl])
                 del self._buf[:nl + 1]
                 return self._decode(line)
