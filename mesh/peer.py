@@ -77,6 +77,7 @@ class Peer:
         self.listen_port = 0
         self.rtc = None                     # signaling.RtcEndpoint, created on the first Signal
         self.nursery = None                 # the peer's lifetime nursery: inbound lanes, the WebRTC endpoint
+        self.inbound: set[trio.CancelScope] | None = None   # the current session's inbound hops; None between
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -125,6 +126,7 @@ class Peer:
                     await link.send(proto.Join(self.listen_port, self.cfg.advertise or "", self.cfg.memory_mb,
                                                *(self.cfg.layers or (-1, -1))))
                     log.info("joined coordinator %s", self.cfg.join)
+                    self.inbound = set()
                     try:
                         with single_errors():
                             async with trio.open_nursery() as session:  # hops and lanes live as long as the session
@@ -132,14 +134,33 @@ class Peer:
                                 session.cancel_scope.cancel()
                     finally:
                         self.forward = None
+                        # A predecessor of the ended session may still be computing; its steps must not reach
+                        # whatever stage this peer becomes in the next session.
+                        for scope in self.inbound:
+                            scope.cancel()
+                        self.inbound = None
         except trio.TooSlowError:
             raise HopError(f"coordinator {self.cfg.join}: no handshake within {HANDSHAKE_SECONDS:.0f}s") from None
         except (AuthFailed, proto.AuthError) as exc:
             raise AuthRefused(str(exc)) from None
 
     async def _serve_inbound(self, stream) -> None:
-        """A predecessor's hop (or a coordinator's hub connection): authenticate, then serve ops."""
+        """A predecessor's hop (or a coordinator's hub connection): authenticate, then serve ops until the hop or
+        the session in which it was accepted ends. Between sessions nobody may dial in."""
         peer = transport.remote_host(stream)
+        session = self.inbound
+        if session is None:
+            log.warning("inbound hop from %s refused: this peer is in no session", peer)
+            await stream.aclose()
+            return
+        with trio.CancelScope() as scope:
+            session.add(scope)
+            try:
+                await self._serve_hop(stream, peer)
+            finally:
+                session.discard(scope)
+
+    async def _serve_hop(self, stream, peer: str) -> None:
         try:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
                 async with open_link(stream, token=self.cfg.token, role="server") as link:
