@@ -1,22 +1,29 @@
 """Mesh decode speed against the unsharded engine, side by side in one run.
 
     .venv/bin/python bench/mesh_bench.py [--model PATH] [--tokens 64] [--peers 1,2,3] [--chain p2p] [--rtc-middle]
+                                         [--rounds 3]
 
-For each configuration: a warm-up answer (compiles kernels; tinygrad caches them on disk), then a timed answer.
-Decode tok/s counts from the first generated token to the last. The unsharded engine is one worker holding every
-layer, driven by the same generate() as the mesh. Peers are separate processes on loopback; the coordinator runs in
-this process. Per-hop overhead is the extra time per token over the unsharded engine divided by the hops a token
-crosses (coordinator -> peer 1 -> ... -> peer k -> sink: k + 1 hops).
+The unsharded engine is one worker holding every layer, driven by the same Pipeline interface as the mesh; it stays
+open for the whole run. For each mesh configuration: a warm-up answer on both (compiles kernels; tinygrad caches them
+on disk), then `--rounds` timed rounds. A round prefills the prompt on both, then decodes `--tokens` greedy tokens in
+lockstep, one unsharded step then one mesh step, so both see the same load on a shared machine within ~0.1 s (timing
+whole answers one after the other swung the ratio 0.8..1.5 under other people's tests). Columns: mesh tok/s and
+unsharded tok/s (mean step time, median round), ratio = median unsharded step / median mesh step (median round,
+min..max over rounds), the ratio of the mean step times (median round), and the per-hop extra of the median steps.
+Peers are separate processes on loopback; the coordinator runs in this process. Per-hop overhead is the extra time per
+token over the unsharded engine divided by the hops a token crosses (coordinator -> peer 1 -> ... -> peer k -> sink:
+k + 1 hops).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -24,7 +31,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.sources import default_model_path  # noqa: E402
-from engine.stage import Sampling  # noqa: E402
+from engine.stage import Column, Sampling  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.worker import open_worker  # noqa: E402
 from mesh import proto  # noqa: E402
@@ -35,19 +42,24 @@ PROMPT = "Write a short story about a robot who learns to paint."
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def timed(pipe, ids, tok, n) -> tuple[float, list[int]]:
-    stamps: list[float] = []
-    result = await generate(pipe, ids, max_tokens=n, sampling=Sampling(), eos_ids=frozenset(),
-                            on_token=lambda _t: stamps.append(time.perf_counter()))
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), result.tokens
+async def warm_up(pipe, ids, n) -> list[int]:
+    return (await generate(pipe, ids, max_tokens=n, sampling=Sampling(), eos_ids=frozenset())).tokens
 
 
-async def unsharded(model: Path, ids, tok, n) -> tuple[float, list[int]]:
-    async with open_worker() as w:
-        await w.load(model, 0, _depth(model))
-        pipe = LocalPipeline(w)
-        await timed(pipe, ids, tok, n)                     # warm-up
-        return await timed(pipe, ids, tok, n)
+async def lockstep(base, mesh, ids, n) -> tuple[list[float], list[float], list[int], list[int]]:
+    """Prefill both, then `n` decode steps alternating base and mesh: (base step times, mesh step times, tokens of
+    each). The steps are the ones generate() takes (same columns, greedy), timed one by one."""
+    first = [(await generate(p, ids, max_tokens=1, sampling=Sampling(), eos_ids=frozenset())).tokens[0]
+             for p in (base, mesh)]
+    toks: tuple[list[int], list[int]] = ([first[0]], [first[1]])
+    times: tuple[list[float], list[float]] = ([], [])
+    for pos in range(len(ids), len(ids) + n - 1):
+        for k, pipe in enumerate((base, mesh)):
+            t0 = time.perf_counter()
+            (tok,) = await pipe.step([Column(pos, 0, True, toks[k][-1])], Sampling())
+            times[k].append(time.perf_counter() - t0)
+            toks[k].append(int(tok))
+    return times[0], times[1], toks[0], toks[1]
 
 
 def _depth(model: Path) -> int:
@@ -55,7 +67,9 @@ def _depth(model: Path) -> int:
     return read_model_meta(model).n_layers
 
 
-async def meshed(model: Path, ids, tok, n, peers: int, chain: str, rtc_hops: tuple[int, ...]) -> tuple[float, list[int]]:
+@asynccontextmanager
+async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...]):
+    """A formed fleet of `peers` peer processes on loopback; yields its pipeline."""
     port = free_port()
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
                       webrtc_hops=rtc_hops)
@@ -72,10 +86,8 @@ async def meshed(model: Path, ids, tok, n, peers: int, chain: str, rtc_hops: tup
                     stderr=subprocess.DEVNULL, start_new_session=True))
             async with AsyncExitStack() as stack:
                 _fleet, pipe = await coord.form(nursery, stack)
-                await timed(pipe, ids, tok, n)             # warm-up
-                result = await timed(pipe, ids, tok, n)
+                yield pipe
             nursery.cancel_scope.cancel()
-        return result
     finally:
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
@@ -104,26 +116,42 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--peers", default="1,2,3")
     ap.add_argument("--chain", default="p2p")
+    ap.add_argument("--rounds", type=int, default=3, help="timed (unsharded, mesh) answer pairs per configuration")
     ap.add_argument("--rtc-middle", action="store_true", help="also run 3 peers with the middle hop on WebRTC")
     args = ap.parse_args()
     model = args.model or default_model_path()
     tok = Tokenizer.from_gguf(model)
     ids = tok.encode(PROMPT)
-    print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}")
-    base, ref = await unsharded(model, ids, tok, args.tokens)
-    print(f"{'unsharded engine':32s} {base:8.2f} tok/s   1.000")
+    print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}, "
+          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
     rows = [(f"mesh, {k} peer{'s' * (k > 1)}", k, ()) for k in map(int, args.peers.split(","))]
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))
-    for name, k, rtc in rows:
-        rate, toks = await meshed(model, ids, tok, args.tokens, k, args.chain, rtc)
-        hops = k + 1
-        overhead_ms = (1 / rate - 1 / base) / hops * 1e3
-        same = "bitwise equal" if toks == ref else "DIFFERENT TOKENS"
-        print(f"{name:32s} {rate:8.2f} tok/s   {rate / base:.3f}   {overhead_ms:+.2f} ms/hop   {same}")
+    async with open_worker() as w:
+        await w.load(model, 0, _depth(model))
+        local = LocalPipeline(w)
+        ref = await warm_up(local, ids, args.tokens)
+        print(f"{'':32s} {'tok/s':>7s} {'unsharded':>9s}   {'ratio (min..max)':>21s}   {'mean-based':>10s}")
+        for name, k, rtc in rows:
+            async with meshed(model, k, args.chain, rtc) as pipe:
+                same = await warm_up(pipe, ids, args.tokens) == ref
+                rounds = []
+                for _ in range(args.rounds):
+                    base, mesh, t_base, t_mesh = await lockstep(local, pipe, ids, args.tokens)
+                    same = same and t_base == ref and t_mesh == ref
+                    rounds.append((statistics.median(base) / statistics.median(mesh),
+                                   statistics.fmean(base) / statistics.fmean(mesh), 1 / statistics.fmean(mesh),
+                                   1 / statistics.fmean(base), statistics.median(mesh) - statistics.median(base)))
+            mid = statistics.median
+            ratios = sorted(r[0] for r in rounds)
+            overhead_ms = mid(r[4] for r in rounds) / (k + 1) * 1e3
+            print(f"{name:32s} {mid(r[2] for r in rounds):7.2f} {mid(r[3] for r in rounds):9.2f}   "
+                  f"{mid(ratios):.3f} ({ratios[0]:.3f}..{ratios[-1]:.3f})   {mid(r[1] for r in rounds):10.3f}   "
+                  f"{overhead_ms:+.2f} ms/hop   {'bitwise equal' if same else 'DIFFERENT TOKENS'}")
     from engine.gguf_meta import read_model_meta
     p2p, sink = hop_bytes(read_model_meta(model).dim)
-    print(f"bytes per token per hop: {p2p} between peers (hidden state + step), {sink} to the sink (the token)")
+    print(f"bytes per token per hop: {p2p} between peers (hidden state + step), {sink} to the sink (the token); "
+          f"load {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
