@@ -2,6 +2,7 @@
 the protocol in one chosen way. Every breach must surface as a typed WorkerFatal naming it, and the child is killed."""
 import subprocess
 import sys
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -114,3 +115,17 @@ async def test_a_well_behaved_fake_passes():
         await w.reset()
         assert np.array_equal(await w.step([Col(0, 0)], None, Greedy()), np.array([7], dtype=np.int32))
         assert [e.seq for e in w.events] == [1, 2]
+
+
+async def test_a_step_polls_for_its_reply_only_in_the_window_its_last_compute_predicts():
+    async with fake_worker("ok") as w:
+        assert w._poll_window_for(1) is None  # no step of this width yet: sleep on the pipe
+        for _ in range(3):  # the fake computes in 0 ms, so these poll from the start; replies still arrive
+            assert np.array_equal(await w.step([Col(0, 0)], None, Greedy()), np.array([7], dtype=np.int32))
+        start, end = w._poll_window_for(1)
+        assert start <= time.perf_counter() and end - start == pytest.approx(0.0023)
+        assert w._poll_window_for(2) is None
+        w.poll = False
+        assert w._poll_window_for(1) is None
+        assert np.array_equal(await w.step([Col(0, 0)], None, Greedy()), np.array([7], dtype=np.int32))
+        assert [e.seq for e in w.events] == [1, 2, 3, 4]
