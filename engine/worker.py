@@ -230,11 +230,11 @@ class Worker:
         """When to stop sleeping on the pipe and start polling it, and when to give up polling (perf_counter).
 
         A process that sleeps through a 50-120 ms step wakes ~220 us after the child's write on this VM (the idle
-        vCPU halts; the waker's IPI brings it back), against ~20 us when it is already running. The last step of the
+        vCPU halts; the waker's IPI brings it back), against ~50 us when it is still running. The last step of the
         same width predicts this one's compute well (decode steps are within a few percent), so the caller sleeps
         until just before the reply is due, then polls the pipe, yielding to its other tasks between polls, for a
         bounded window (3% of the step + 2.3 ms); a reply that comes later is waited for as before. Measured on
-        SmolLM2: the event-to-read leg 270 -> 46 us a call, compute unchanged (NOTES "Worker process")."""
+        SmolLM2: the event-to-read leg ~270 -> ~50 us a call, compute unchanged (NOTES "Worker process")."""
         expect = self._compute_s.get(n_cols) if self.poll else None
         if expect is None:
             return None
