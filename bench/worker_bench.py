@@ -1,5 +1,6 @@
 """What the worker process costs on top of the stage it runs.
 
+    DEV=CUDA .venv/bin/python bench/worker_bench.py   # on a GPU: the worker and stages use $DEV (default: tinygrad's)
     .venv/bin/python bench/worker_bench.py            # ring copies, control round trip, per-step overhead (tiny model)
     .venv/bin/python bench/worker_bench.py --smollm2  # plus SmolLM2 decode: in-process Stage vs 1 worker vs 2 chained
 
@@ -44,7 +45,7 @@ async def tiny_overheads() -> None:
     from tests.tiny_gguf import write_tiny_gguf
     with tempfile.TemporaryDirectory() as d:
         path = write_tiny_gguf(Path(d) / "tiny.gguf", n_layers=2, dim=64, vocab_size=256)
-        async with open_worker(device="CPU") as w:
+        async with open_worker(device=None) as w:
             print(f"worker ready: device {w.ready.device}, probe {w.ready.probe_ms:.0f} ms")
             await w.load(path, 0, 1, n_slots=2, max_context=256)
             n = 200
@@ -95,7 +96,7 @@ async def smollm2(n: int = 40) -> None:
         return stage.step(cols, None, Sampling())
     t_local, r_local = await decode(local)
     del stage
-    async with open_worker(device="CPU") as a, open_worker(device="CPU") as b:
+    async with open_worker(device=None) as a, open_worker(device=None) as b:
         await a.load(path, 0, 30, n_slots=1, max_context=128)
 
         async def one(cols):
