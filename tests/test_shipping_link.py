@@ -281,7 +281,12 @@ async def test_a_stalled_disk_bounds_what_the_receiver_holds(model, cache):
                 done.set()
 
             nursery.start_soon(shipper)
-            for _ in range(30):  # let both sides run until the stuck write holds everything up
+            # Let both sides run until the stuck write holds everything up (however slow the threads are on a
+            # loaded machine; the fail_after bounds it), then some more: the sender must stay stopped.
+            while not (written[0] == 2 * CHUNK and sent[0] >= window):
+                await trio.to_thread.run_sync(lambda: None)
+                await trio.testing.wait_all_tasks_blocked()
+            for _ in range(30):
                 await trio.to_thread.run_sync(lambda: None)
                 await trio.testing.wait_all_tasks_blocked()
             stalled_at = sent[0]
