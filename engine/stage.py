@@ -14,7 +14,7 @@ from tinygrad.dtype import _to_np_dtype
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
-                     tensor_info, free_device_cache, write_into)
+                     free_device_cache, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
 from .sampling import Sampling, pick_token
 

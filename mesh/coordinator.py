@@ -28,9 +28,9 @@ from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
 from mesh.registry import Member, Registry
 
 log = logging.getLogger("mesh.coord")
-RPC_SECONDS = 600.0
+RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
 SINK_GRACE = 6.0             # a dead stage's control link fails within a heartbeat window (5 s) of its death
-RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s          # a load may read gigabytes; a ship is bounded separately by its own progress
+RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s
 
 
 @dataclass(frozen=True)
