@@ -202,6 +202,12 @@ class CountingLink:
         return await self.link.receive()
 
 
+async def ship_counted(link, plan, done: trio.Event) -> None:
+    """Ship `plan` over a CountingLink without a progress display, then set `done`."""
+    await ship_range(link, plan, chunk=CHUNK, board=ProgressBoard(io.StringIO(), tty=False))
+    done.set()
+
+
 async def test_a_stalled_receiver_bounds_what_is_in_flight(model, cache):
     plan = plan_range_gguf(model, 0, 4)
     window = 8 * CHUNK
@@ -230,13 +236,7 @@ async def test_a_stalled_receiver_bounds_what_is_in_flight(model, cache):
     async with link_pair(window=window) as (coord, peer), trio.open_nursery() as nursery:
         nursery.start_soon(stalling_peer, peer)
         done = trio.Event()
-
-        async def shipper():
-            await ship_range(CountingLink(coord, on_chunk), plan, chunk=CHUNK,
-                             board=ProgressBoard(io.StringIO(), tty=False))
-            done.set()
-
-        nursery.start_soon(shipper)
+        nursery.start_soon(ship_counted, CountingLink(coord, on_chunk), plan, done)
         await flowing.wait()
         for _ in range(20):  # let the sender run (its reads go through a thread) until credit stops it
             await trio.to_thread.run_sync(lambda: None)
@@ -274,13 +274,7 @@ async def test_a_stalled_disk_bounds_what_the_receiver_holds(model, cache):
         async with link_pair(window=window) as (coord, peer), trio.open_nursery() as nursery:
             nursery.start_soon(partial(peer_side, peer, cache, results, write=stuck_write))
             done = trio.Event()
-
-            async def shipper():
-                await ship_range(CountingLink(coord, on_chunk), plan, chunk=CHUNK,
-                                 board=ProgressBoard(io.StringIO(), tty=False))
-                done.set()
-
-            nursery.start_soon(shipper)
+            nursery.start_soon(ship_counted, CountingLink(coord, on_chunk), plan, done)
             # Let both sides run until the stuck write holds everything up (however slow the threads are on a
             # loaded machine; the fail_after bounds it), then some more: the sender must stay stopped.
             while not (written[0] == 2 * CHUNK and sent[0] >= window):
