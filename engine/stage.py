@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
@@ -18,7 +20,7 @@ from .loader import (EmbeddingTable, WeightMode, block_tensor_names, check_range
 from .model import Block, Group, Head, rope_tables
 from .sampling import Sampling, pick_token
 
-__all__ = ["Column", "Sampling", "Stage"]
+__all__ = ["Column", "Sampling", "Stage", "WarmupResult", "prefill_chunks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,58 @@ def _copy_out(t: Tensor) -> np.ndarray:
     return out
 
 
-PREFILL_MIN = 8  # smallest padded prefill: shorter prompts share one set of kernels
+# A prompt's run of columns goes through the layers in chunks of these sizes (a chunk's columns padded up to its
+# size), so a new prompt length never makes a new compiled shape; `warmup` compiles them all at load. 64 is the
+# coordinator's prefill chunk (mesh/pipeline.py), so a mesh step fills one chunk exactly; 16 bounds the padding of a
+# prompt's tail to 15 rows. On the CPU a prefill step costs ~linear in its rows (45 ms a row for SmolLM2 at 16, 64,
+# 128 and 256 rows alike), so larger sizes would not go faster there and each size costs one compile per stage.
+PREFILL_BUCKETS = (16, 64)
+# What a chunk costs beyond its rows, in rows, when choosing a prompt's chunks: a small preference for fewer steps.
+CHUNK_COST = 4
+
+
+def prefill_chunks(n: int, slack: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[tuple[int, int], ...]:
+    """How a run of `n` columns is cut into chunks: (columns, padded size) in order, the padded one (if any) last.
+
+    `slack` is how many positions the context has after the run's end: a chunk's pad rows write cache positions
+    past its columns, so only the last chunk may pad, by at most `slack`. Size 1 is the decode step's shape, always
+    there, so every run has a plan. Minimizes padded rows + CHUNK_COST per chunk; ties go to fewer chunks, then to
+    larger chunks first. A function of (n, slack) alone: every stage of a chain cuts a step the same way, so a
+    layer sees the same kernels whatever range holds it.
+    """
+    return _chunks(n, min(slack, max(buckets)), buckets)
+
+
+@lru_cache(maxsize=1024)
+def _chunks(n: int, slack: int, buckets: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    sizes = sorted({1, *buckets}, reverse=True)
+    inf = (float("inf"), 0)
+    best: list[tuple[float, int]] = [(0, 0)]  # per remaining count r: (cost, chunks)
+    choice: list[tuple[int, int]] = [(0, 0)]  # per r: (columns, size) of the first chunk
+    for r in range(1, n + 1):
+        top, pick = inf, (0, 0)
+        for b in sizes:  # the whole rest in one chunk, padded from r up to b
+            if r <= b <= r + slack and (cand := (b + CHUNK_COST, 1)) < top:
+                top, pick = cand, (r, b)
+        for b in sizes:  # a full chunk of b, then the best plan for the rest
+            if b < r:
+                c, k = best[r - b]
+                if (cand := (b + CHUNK_COST + c, k + 1)) < top:
+                    top, pick = cand, (b, b)
+        best.append(top)
+        choice.append(pick)
+    out, r = [], n
+    while r:
+        out.append(choice[r])
+        r -= choice[r][0]
+    return tuple(out)
+
+
+class WarmupResult(NamedTuple):
+    ms: float  # wall time of the warmup
+    shapes: int  # compiled shapes it added
+
+
 _KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
 
 
@@ -228,53 +281,103 @@ class Stage:
             if x_np.shape != (N, self.dim):
                 raise EngineError(f"hidden has shape {hidden.shape}, expected ({N}, {self.dim})")
 
-        picks = tuple(i for i, c in enumerate(cols) if c.needs_logits) if self.last else ()
-        if self.last and not picks:
-            out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+        picks = [i for i, c in enumerate(cols) if c.needs_logits] if self.last else []
+        if len(runs) == 1 and N > 1:
+            # a prompt's run goes in chunks of the bucket sizes (prefill_chunks), so prompts of any length share the
+            # compiled shapes; a chunk's pad rows write cache positions past its columns, which nothing reads before
+            # the next chunk or a later step rewrites them
+            _, _, slot, pos = runs[0]
+            outs, off = [], 0
+            for n, size in prefill_chunks(N, self.max_context - pos - N):
+                chunk_picks = tuple(i - off for i in picks if off <= i < off + n)
+                outs.append(self._run(x_np[off:off + n], [(0, n, slot, pos + off)], size, chunk_picks))
+                off += n
+            out = outs[0] if len(outs) == 1 else np.concatenate(outs)
         else:
-            positions = np.array([c.pos for c in cols], dtype=np.int64)
-            jit_runs = runs
-            if len(runs) == 1 and N > 1:
-                # a prefill run is padded to a power of two so prompts of similar length share compiled kernels;
-                # pad rows write cache positions past the run, which nothing reads before a later step rewrites them
-                _, _, slot, pos = runs[0]
-                size = max(PREFILL_MIN, 1 << (N - 1).bit_length())
-                if pos + size <= self.max_context:
-                    x_np = np.concatenate([x_np, np.zeros((size - N, self.dim), self.act_dtype)])
-                    positions = np.arange(pos, pos + size, dtype=np.int64)
-                    jit_runs = [(0, size, slot, pos)]
-            cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
-            n_rows = len(x_np)
-            # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
-            # size does not make a new jit; only "every row" is a shape of its own
-            every_row = picks == tuple(range(n_rows))
-            shape = (n_rows, tuple((col, n) for col, n, _, _ in jit_runs), -1 if every_row else len(picks))
-            fn = self._jits.get(shape)
-            if new_shape := fn is None:
-                fn = partial(self._graph, shape)
-                if self._use_jit:
-                    fn = self._jits[shape] = TinyJit(fn)
-                    # capture on the first call: all inputs and weights are realized before it, so there are no
-                    # one-time kernels to leave out, and scheduling 30 layers twice would double the first token
-                    fn.cnt = 1
-            binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
-                    [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
-            if not every_row:
-                binds += [UOp.variable(f"pick{j}", 0, n_rows - 1).bind(i) for j, i in enumerate(picks)]
-            inputs = self._inputs.get(shape)
-            if inputs is None:
-                inputs = self._inputs[shape] = tuple(Tensor.zeros(*a.shape, dtype=dtypes.float32).contiguous().realize()
-                                                     for a in (x_np, cos_np, sin_np))
-            for t, a in zip(inputs, (x_np, cos_np, sin_np)):
-                write_into(t, a)
-            out = _copy_out(fn(*inputs, *binds))
-            if new_shape:       # the capture's scratch buffers now sit in the allocator's cache; the jit keeps its own
-                _release_freed_memory()
-            if not self.last:
-                out = out[:N]
+            out = self._run(x_np, runs, N, tuple(picks))
         for col, n, slot, pos in runs:
             self._lengths[slot] = pos + n
         return out
+
+    def _run(self, x_np: np.ndarray, runs: Sequence[tuple[int, int, int, int]], size: int,
+             picks: tuple[int, ...]) -> np.ndarray:
+        """One compiled step over the rows of x_np in `runs` (col, n, slot, pos), zero rows appended up to `size`
+        (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks`."""
+        n_real = len(x_np)
+        positions = np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
+        jit_runs = tuple((col, n) for col, n, _, _ in runs)
+        if size > n_real:
+            x_np = np.concatenate([x_np, np.zeros((size - n_real, self.dim), self.act_dtype)])
+            positions = np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
+            jit_runs = ((0, size),)
+        cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
+        # the last stage runs its layers for columns without logits too (their KV is needed), through the shape of
+        # one logits row, which it throws away: one compiled shape fewer for the price of one row of the head
+        wanted = bool(picks)
+        if self.last and not picks:
+            picks = (0,)
+        # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
+        # size does not make a new jit; only "every row" is a shape of its own
+        every_row = self.last and picks == tuple(range(size))
+        shape = (size, jit_runs, -1 if every_row else len(picks))
+        fn = self._jits.get(shape)
+        if new_shape := fn is None:
+            fn = partial(self._graph, shape)
+            if self._use_jit:
+                fn = self._jits[shape] = TinyJit(fn)
+                # capture on the first call: all inputs and weights are realized before it, so there are no
+                # one-time kernels to leave out, and scheduling 30 layers twice would double the first token
+                fn.cnt = 1
+        binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
+                [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
+        if not every_row:
+            binds += [UOp.variable(f"pick{j}", 0, size - 1).bind(i) for j, i in enumerate(picks)]
+        inputs = self._inputs.get(shape)
+        if inputs is None:
+            inputs = self._inputs[shape] = tuple(Tensor.zeros(*a.shape, dtype=dtypes.float32).contiguous().realize()
+                                                 for a in (x_np, cos_np, sin_np))
+        for t, a in zip(inputs, (x_np, cos_np, sin_np)):
+            write_into(t, a)
+        result = fn(*inputs, *binds)
+        if not self.last:
+            out = _copy_out(result)[:n_real]
+        elif wanted:
+            out = _copy_out(result)
+        else:
+            out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+        if new_shape:       # the capture's scratch buffers now sit in the allocator's cache; the jit keeps its own
+            _release_freed_memory()
+        return out
+
+    def warmup(self, decode_batch: int | None = None) -> WarmupResult:
+        """Compile every step shape a session goes through, so that no step waits for tinygrad to schedule and
+        compile: decode steps of 1..decode_batch sequences (default n_slots; each one column in its own slot) and a
+        chunk of each prefill bucket that fits the context. Runs them on scratch data in the slots, then clears the
+        slots (`reset`): it belongs right after `load`, and refuses when a slot holds positions. Leaves no trace a
+        later step could see: the same kernels run whether a shape was compiled here or by the step that needs it.
+        A no-op for a stage loaded with jit=False (nothing is kept between steps)."""
+        if any(self._lengths):
+            raise EngineError("warmup overwrites the KV slots: run it before any step, or after reset()")
+        if not self._use_jit:
+            return WarmupResult(0.0, 0)
+        widths = self.n_slots if decode_batch is None else decode_batch
+        if not 1 <= widths <= self.n_slots:
+            raise RangeError(f"decode_batch {decode_batch} is outside [1, {self.n_slots}]")
+        t0, before = time.perf_counter(), len(self._jits)
+
+        def rows(n: int) -> np.ndarray:
+            if self.first:
+                return self._embed.lookup(np.zeros(n, dtype=np.int64))
+            return np.zeros((n, self.dim), self.act_dtype)
+
+        for k in range(1, widths + 1):  # batched decode: slot i at position 0, every column with logits
+            self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else ())
+        for b in PREFILL_BUCKETS:  # a prompt's chunk; the logits (if any) on one row, which is a bound variable
+            if b <= self.max_context:
+                self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else ())
+        self.zero_slot(0)  # compiles the session start's slot clearing too
+        self.reset()
+        return WarmupResult((time.perf_counter() - t0) * 1000, len(self._jits) - before)
 
     def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
         """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""

@@ -8,7 +8,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import EngineError, RangeError
-from engine.stage import Column, Sampling, Stage
+from engine.stage import PREFILL_BUCKETS, Column, Sampling, Stage, prefill_chunks
 from tests.tiny_gguf import write_tiny_gguf
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -87,7 +87,8 @@ def chain_logits(stages, cols):
 
 def load_split(path, cuts, **kw):
     bounds = [0, *cuts, 4]
-    return [Stage.load(path, a, b, max_context=64, **kw) for a, b in zip(bounds, bounds[1:])]
+    kw.setdefault("max_context", 64)
+    return [Stage.load(path, a, b, **kw) for a, b in zip(bounds, bounds[1:])]
 
 
 def greedy(stages, prompt, n, slot=0):
@@ -230,13 +231,69 @@ def test_weight_and_cache_modes_agree(models):
         np.testing.assert_allclose(s.step_logits(prefill_cols(PROMPT)), want, rtol=0, atol=0.05 * np.abs(want).max())
 
 
-def test_prompts_of_similar_length_share_one_compiled_step(models):
-    (s,) = load_split(models["llama"], [])
-    for slot, n in enumerate([5, 7, 8]):  # all pad to 8 columns; the logits row differs
-        s.step([Column(i, slot, i == n - 1, 3 + i) for i in range(n)])
-    assert len(s._jits) == 1
-    s.step([Column(0, 3, False, 1), Column(1, 3, True, 2)])
-    assert len(s._jits) == 1
+def test_prefill_chunks_cover_the_run_and_pad_only_at_the_end():
+    sizes = {1, *PREFILL_BUCKETS}
+    for slack in (0, 1, 7, 15, 63, 1000):
+        for n in range(1, 300):
+            plan = prefill_chunks(n, slack)
+            assert sum(k for k, _ in plan) == n, (n, slack)
+            assert all(size in sizes and 1 <= k <= size for k, size in plan), (n, slack, plan)
+            assert all(k == size for k, size in plan[:-1]), (n, slack, plan)  # only the last chunk pads
+            assert plan[-1][1] - plan[-1][0] <= slack, (n, slack, plan)
+    assert prefill_chunks(64, 0) == ((64, 64),) and prefill_chunks(16, 0) == ((16, 16),)
+    assert prefill_chunks(5, 100) == ((5, 16),) and prefill_chunks(5, 3) == ((1, 1),) * 5
+    assert prefill_chunks(100, 100) == ((64, 64), (16, 16), (16, 16), (4, 16))
+
+
+def test_prompts_of_any_length_run_in_the_warmed_shapes(models):
+    (s,) = load_split(models["llama"], [])  # 4 slots, context 64
+    assert s.warmup(decode_batch=1).shapes == 1 + len(PREFILL_BUCKETS)  # the decode step and the buckets
+    shapes = set(s._jits)
+    for n in (2, 17, 40, 64):
+        s.reset()
+        out = s.step([Column(i, 1, i == n - 1, (7 * i) % 256) for i in range(n)])
+        assert out.shape == (1,) and s.slot_length(1) == n
+        if n < 64:
+            s.step([Column(n, 1, True, int(out[0]))])
+    s.reset()  # a prompt ending near the context's end: too close to pad, its tail goes in decode steps
+    s.step([Column(i, 0, False, 5) for i in range(5)])
+    assert s.step([Column(i, 0, i == 62, 5) for i in range(5, 63)]).shape == (1,)
+    assert set(s._jits) == shapes
+
+
+def test_chunked_prefill_agrees_with_the_reference_and_every_stage_keeps_the_kv(models):
+    """A prompt sent in pieces, only the last asking for logits (the coordinator's chunks): the last stage must
+    write the KV of a piece without logits too, and a piece's chunks attend to the chunks before them."""
+    tokens = [(11 * i + 3) % 256 for i in range(60)]
+    want = reference_logits(models["qwen3"], tokens)[20:]
+    split = load_split(models["qwen3"], [2])
+    run_chain(split, [Column(i, 0, False, tokens[i]) for i in range(20)])  # chunks of 16 and 4 (padded)
+    got = chain_logits(split, [Column(i, 0, True, tokens[i]) for i in range(20, 60)])  # 16, 16 and 8 (padded)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_warmup_leaves_no_trace(models):
+    prompt = [(5 * i + 1) % 256 for i in range(21)]
+    plain, warm = load_split(models["qwen2"], [2]), load_split(models["qwen2"], [2])
+    for st in warm:
+        res = st.warmup(decode_batch=1)
+        assert res.shapes == 1 + len(PREFILL_BUCKETS) and res.ms > 0
+        assert [st.slot_length(i) for i in range(4)] == [0] * 4
+        assert not st._blocks[0].cache_k.numpy().any() and not st._blocks[0].cache_v.numpy().any()
+        assert st.warmup(decode_batch=1).shapes == 0  # nothing left to compile
+
+    def session(stages):
+        cols = [Column(i, 1, i == len(prompt) - 1, t) for i, t in enumerate(prompt)]
+        out = [chain_logits(stages, cols)]
+        for i in range(4):
+            out.append(chain_logits(stages, [Column(len(prompt) + i, 1, True, int(np.argmax(out[-1])))]))
+        return out
+
+    assert all(np.array_equal(a, b) for a, b in zip(session(warm), session(plain)))
+    with pytest.raises(EngineError, match="warmup"):
+        warm[0].warmup()  # slot 1 holds the sequence
+    (nojit,) = load_split(models["qwen2"], [], jit=False)
+    assert nojit.warmup() == (0.0, 0)
 
 
 def test_step_results_and_inputs_are_not_shared_between_steps(models):
