@@ -161,7 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--weights", default="q8", choices=["f32", "f16", "quant", "q8"])
+    ap.add_argument("--weights", default="gguf", choices=["gguf", "f32", "f16", "q8"])
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--splits", default="0,10,20,30")

@@ -15,10 +15,12 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.dtype import _to_np_dtype
 from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, ggml_data_to_tensor
 
-from .errors import ModelFormatError, RangeError, UnsupportedModel
+from .errors import EngineError, ModelFormatError, RangeError, UnsupportedModel
 from .gguf_meta import GGUFFile, ModelMeta, TensorInfo
+from .quant import DOTS, QuantWeight, concat, interleave_for, repack
 
-WeightMode = Literal["f32", "f16", "q8", "quant"]
+WeightMode = Literal["gguf", "f32", "f16", "q8"]
+WEIGHT_MODES = ("gguf", "f32", "f16", "q8")
 TINYGRAD_TYPES = frozenset(_GGML_NATIVE) | frozenset(_GGML_QUANT)
 
 
@@ -85,38 +87,50 @@ Q8_BLOCK = 32
 
 @dataclass(slots=True)
 class Weight:
-    """A weight as the stage holds it: dense (already dequantized), int8 blocks with one f32 scale per 32 values
-    ('q8', expanded inside the kernels that use it), or raw GGUF blocks dequantized per use ('quant')."""
-    tensor: Tensor
+    """A weight as the stage holds it: its GGUF blocks decoded inside the matmul ('gguf', see engine/quant.py),
+    dense (f32/f16, or a float type kept as the file has it), or int8 blocks with one f32 scale per 32 values ('q8',
+    expanded inside the kernels that use it)."""
+    tensor: Tensor | None
     shape: tuple[int, ...]
-    ggml_type: int | None = None  # set when kept as raw GGUF blocks
     scale: Tensor | None = None  # set for q8: (rows, cols // 32, 1)
+    quant: QuantWeight | None = None  # set for resident GGUF blocks
 
     def value(self) -> Tensor:
+        if self.quant is not None:
+            raise EngineError("a block-quantized weight is only used through matmul_t")
         if self.scale is not None:
             rows, cols = self.shape
             return (self.tensor.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK).cast(dtypes.float32) * self.scale).reshape(rows, cols)
-        if self.ggml_type is None:
-            return self.tensor
-        n = int(np.prod(self.shape))
-        return ggml_data_to_tensor(self.tensor.flatten(), n, self.ggml_type).reshape(self.shape)
+        return self.tensor
+
+    def matmul_t(self, x: Tensor) -> Tensor:
+        """x (N, cols) @ weight.T -> (N, rows)."""
+        if self.quant is not None:
+            return self.quant.matmul_t(x)
+        return x @ self.value().cast(dtypes.float32).T
 
     @property
     def nbytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes
         return self.tensor.nbytes() + (self.scale.nbytes() if self.scale is not None else 0)
 
 
 def concat_rows(parts: list[Weight]) -> Weight | None:
     """One weight holding the rows of `parts` in order (q/k/v fused into one matmul), or None when their storage
-    differs (raw GGUF blocks of different types)."""
+    differs (blocks of different GGUF types)."""
     first = parts[0]
-    if any((p.ggml_type, p.scale is None, p.tensor.dtype) != (first.ggml_type, first.scale is None, first.tensor.dtype)
+    if first.quant is not None:
+        if any(p.quant is None for p in parts) or (fused := concat([p.quant for p in parts])) is None:
+            return None
+        return Weight(None, fused.shape, quant=fused)
+    if any((p.quant, p.scale is None, p.tensor.dtype) != (None, first.scale is None, first.tensor.dtype)
            or len(p.shape) != len(first.shape) or p.shape[1:] != first.shape[1:] for p in parts):
         return None
     shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
     tensor = Tensor.cat(*[p.tensor for p in parts], dim=0).contiguous().realize()
     scale = None if first.scale is None else Tensor.cat(*[p.scale for p in parts], dim=0).contiguous().realize()
-    return Weight(tensor, shape, first.ggml_type, scale)
+    return Weight(tensor, shape, scale)
 
 
 def to_q8(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,8 +143,27 @@ def to_q8(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(blocks / scale).astype(np.int8).reshape(rows, cols), scale.astype(np.float32)
 
 
+_FLOAT_TYPES = {GGMLQuantizationType.F32: dtypes.float32, GGMLQuantizationType.F16: dtypes.float16,
+                GGMLQuantizationType.BF16: dtypes.bfloat16}
+
+
 def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: int = 0) -> Weight:
-    """Read one tensor and materialise it: dequantized to f32/f16, or kept as raw quant blocks ('quant')."""
+    """Read one tensor and materialise it: resident GGUF blocks ('gguf'), dequantized to f32/f16, or q8 blocks.
+
+    'gguf' keeps a 2-D weight's bytes as the file has them (regrouped, see engine/quant.py) when a block decoder
+    exists for its type, float types as they are; other types (IQ*, Q2_K, Q3_K) fall back to q8."""
+    if mode == "gguf" and len(info.shape) == 2:
+        if info.ggml_type in DOTS:
+            return _load_blocks(g, info, rope_heads)
+        if info.ggml_type in _FLOAT_TYPES:
+            rows = read_rows(g, info)
+            rows = unpermute_rope_rows(rows, rope_heads) if rope_heads else rows
+            t = Tensor(rows.view(_to_np_dtype(dtypes.uint16 if info.ggml_type == GGMLQuantizationType.BF16
+                                               else _FLOAT_TYPES[info.ggml_type])).reshape(info.shape))
+            if info.ggml_type == GGMLQuantizationType.BF16:
+                t = t.bitcast(dtypes.bfloat16)
+            return Weight(t.contiguous().realize(), info.shape)
+        mode = "q8"
     if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
         whole = unpermute_rope_rows(read_rows(g, info), rope_heads) if rope_heads else None
         return _load_q8(g, info, whole)
@@ -138,14 +171,32 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
     if rope_heads:
         rows = unpermute_rope_rows(rows, rope_heads)
     raw = Tensor(rows)
-    is_float = info.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-    if mode == "quant" and not is_float and len(info.shape) > 1:
-        return Weight(raw.contiguous().realize(), info.shape, info.ggml_type)
     n = int(np.prod(info.shape))
     dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
     # norms and biases stay f32: they are tiny and feed every activation
-    dtype = dtypes.float16 if mode != "f32" and len(info.shape) > 1 else dtypes.float32
+    dtype = dtypes.float16 if mode == "f16" and len(info.shape) > 1 else dtypes.float32
     return Weight(dense.cast(dtype).contiguous().realize(), info.shape)
+
+
+BLOCK_CHUNK_ROWS = 4096  # rows regrouped at a time: bounds the host copy of a large weight (the 8B head: 128k rows)
+
+
+def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int) -> Weight:
+    """Resident GGUF blocks, written chunk by chunk straight into their device buffers."""
+    n_rows, cols = info.shape
+    il = interleave_for(n_rows)
+    whole = unpermute_rope_rows(read_rows(g, info), rope_heads) if rope_heads else None
+    step = max(il, BLOCK_CHUNK_ROWS - BLOCK_CHUNK_ROWS % il)
+    rest = halfs = None
+    for r0 in range(0, n_rows, step):
+        part = whole[r0:r0 + step] if whole is not None else read_rows(g, info, r0, r0 + step)
+        p_rest, p_halfs = repack(part, info.ggml_type, il)
+        if rest is None:
+            rest = device_empty((n_rows // il, *p_rest.shape[1:]), dtypes.uint8)
+            halfs = device_empty((n_rows // il, *p_halfs.shape[1:]), dtypes.float16)
+        write_into(rest, p_rest, r0 // il * p_rest[0].nbytes)
+        write_into(halfs, p_halfs, r0 // il * p_halfs[0].nbytes)
+    return Weight(None, info.shape, quant=QuantWeight(rest, halfs, info.shape, info.ggml_type))
 
 
 Q8_CHUNK_ROWS = 1024  # rows converted at a time: bounds the f32 intermediates (the tied head is 49152 rows)
@@ -199,11 +250,13 @@ class EmbeddingTable:
     """Token embedding rows kept as raw GGUF bytes and dequantized on the host per looked-up token.
 
     Host lookup keeps the first stage's input kernels independent of the prompt length (no one-hot gather over
-    the vocabulary) and holds the table at its quantized size.
+    the vocabulary) and holds the table at its quantized size. With `shared` (the tied head's resident blocks of
+    the same tensor) the rows are read back from those blocks instead of held a second time.
     """
 
-    def __init__(self, g: GGUFFile, info: TensorInfo) -> None:
-        self.rows = read_rows(g, info)
+    def __init__(self, g: GGUFFile, info: TensorInfo, shared: QuantWeight | None = None) -> None:
+        self.shared = shared
+        self.rows = None if shared is not None else read_rows(g, info)
         self.ggml_type = GGMLQuantizationType(info.ggml_type)
         self.vocab_size, self.dim = info.shape
         try:
@@ -212,8 +265,9 @@ class EmbeddingTable:
             raise UnsupportedModel(f"{g.path}: token_embd type {info.type_name} cannot be dequantized on the host") from None
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:  # (N,) -> (N, dim) float32
-        return np_dequantize(self.rows[ids], self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
+        raw = self.rows[ids] if self.shared is None else np.stack([self.shared.read_row(int(i)) for i in ids])
+        return np_dequantize(raw, self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.rows.nbytes
+        return 0 if self.rows is None else self.rows.nbytes

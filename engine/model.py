@@ -55,7 +55,7 @@ class Block:
         self.cache_v = Tensor.zeros(*shape, dtype=kv_dtype).contiguous().realize()
 
     def _lin(self, x: Tensor, name: str) -> Tensor:
-        y = x @ self.w[name + ".weight"].value().T
+        y = self.w[name + ".weight"].matmul_t(x)
         bias = self.w.get(name + ".bias")
         return y if bias is None else y + bias.value()
 
@@ -128,4 +128,4 @@ class Head:
 
     def __call__(self, x: Tensor) -> Tensor:  # (M, D) -> (M, vocab) float32
         h = rms_norm(x, self.norm.value(), self.eps)
-        return (h @ self.output.value().T).float().contiguous().realize()
+        return self.output.matmul_t(h).float().contiguous().realize()

@@ -15,7 +15,7 @@ from tinygrad.dtype import _to_np_dtype
 
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
-from .loader import (EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
+from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
                      free_device_cache, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
 from .sampling import Sampling, pick_token
@@ -129,7 +129,7 @@ class Stage:
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
-             weights: WeightMode = "q8", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
+             weights: WeightMode = "gguf", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
         the final norm and output head (the embeddings again when the output is tied)."""
         g = read_gguf(path)
@@ -140,7 +140,7 @@ class Stage:
         if max_context < 1:
             raise RangeError(f"{path}: max_context must be at least 1, got {max_context}")
         max_context = min(max_context, meta.context_length)  # the model was not trained past its context
-        if kv_dtype not in _KV_DTYPES or weights not in ("f32", "f16", "q8", "quant"):
+        if kv_dtype not in _KV_DTYPES or weights not in WEIGHT_MODES:
             raise EngineError(f"unknown weights={weights!r} or kv_dtype={kv_dtype!r}")
         first, last = start == 0, end == meta.n_layers
         D, H, KvH, Hd = meta.dim, meta.n_heads, meta.n_kv_heads, meta.head_dim
@@ -171,16 +171,19 @@ class Stage:
             blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
                                 norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
                                 kv_dtype=_KV_DTYPES[kv_dtype]))
-        embed = head = None
-        if first:
-            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)))
-            weight_bytes += embed.nbytes
+        embed = head = out = None
         if last:
             out_name = "token_embd.weight" if meta.tied_output else "output.weight"
             norm = load_weight(g, tensor_info(g, "output_norm.weight", (D,)), weights)
             out = load_weight(g, tensor_info(g, out_name, (meta.vocab_size, D)), weights)
             weight_bytes += norm.nbytes + out.nbytes
             head = Head(norm, out, meta.norm_eps)
+        if first:
+            # a stage holding both ends of a tied model looks its embeddings up in the head's resident blocks: the
+            # tensor is held once, as in the file
+            shared = out.quant if out is not None and meta.tied_output else None
+            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared)
+            weight_bytes += embed.nbytes
         _release_freed_memory()
         return cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
                    weight_bytes=weight_bytes, use_jit=jit)

@@ -225,7 +225,7 @@ def test_step_validation(models):
 def test_weight_and_cache_modes_agree(models):
     (ref,) = load_split(models["qwen2"], [], weights="f32", kv_dtype="f32")
     want = ref.step_logits(prefill_cols(PROMPT))
-    for weights, kv in (("quant", "f32"), ("q8", "f16")):
+    for weights, kv in (("gguf", "f32"), ("q8", "f16")):
         (s,) = load_split(models["qwen2"], [], weights=weights, kv_dtype=kv)
         assert s.kv_bytes == ref.kv_bytes // (2 if kv == "f16" else 1)
         np.testing.assert_allclose(s.step_logits(prefill_cols(PROMPT)), want, rtol=0, atol=0.05 * np.abs(want).max())

@@ -1,0 +1,56 @@
+"""Resident GGUF blocks (engine/quant.py): every type's in-kernel decoding against gguf's own dequantizer, the
+regrouping at load, and a stage's resident bytes against the file's."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from tinygrad import Tensor
+
+from engine.gguf_meta import read_gguf
+from engine.quant import SPECS, QuantWeight, interleave_for, repack, unpack
+from engine.stage import Column, Stage
+from tests.tiny_gguf import _encode, write_tiny_gguf
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def blocks_of(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return _encode(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, Q[qtype], rng).view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("cols", [256, 512])  # one K-quant block per row (its loop folds away), or two
+def test_matvec_decodes_every_type_as_gguf_does(qtype, cols):
+    rows = 48  # interleave 16, 3 groups
+    raw = blocks_of(qtype, rows, cols)
+    want_w = dequantize(raw, Q[qtype]).reshape(rows, cols)
+    rest, halfs = repack(raw, Q[qtype], interleave_for(rows))
+    assert rest.nbytes + halfs.nbytes == raw.nbytes  # regrouped, not widened
+    np.testing.assert_array_equal(unpack(rest, halfs, Q[qtype]), raw)
+    w = QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), Q[qtype])
+    x = np.random.default_rng(1).standard_normal((3, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ want_w.T.astype(np.float64)
+    got = w.matmul_t(Tensor(x)).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for r in (0, 17, 47):  # the embedding of a tied model reads rows back from the resident blocks
+        np.testing.assert_array_equal(w.read_row(r), raw[r])
+
+
+def test_interleave_divides_the_rows():
+    assert [interleave_for(r) for r in (4096, 960, 192, 24, 7)] == [16, 16, 16, 8, 1]
+    assert set(SPECS) == {Q[t] for t in TYPES}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_stage_holds_its_range_at_the_file_size(tmp_path, qtype):
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=2,
+                        vocab_size=256, qtype=qtype, embed_qtype="Q8_0")
+    g = read_gguf(p)
+    file_bytes = sum(t.nbytes for t in g.tensors.values())
+    s = Stage.load(p, 0, 2, n_slots=1, max_context=32)  # holds everything: tied embeddings and head counted once
+    assert s.weight_bytes == file_bytes
+    f32 = Stage.load(p, 0, 2, n_slots=1, max_context=32, weights="f32")
+    cols = [Column(i, 0, i == 4, 3 + i) for i in range(5)]
+    want = f32.step_logits(cols)
+    np.testing.assert_allclose(s.step_logits(cols), want, rtol=0, atol=1e-4 * np.abs(want).max())
