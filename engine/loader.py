@@ -85,6 +85,10 @@ def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
 Q8_BLOCK = 32
 
 
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * (x.square().mean(axis=-1, keepdim=True) + eps).rsqrt() * w
+
+
 @dataclass(slots=True)
 class Weight:
     """A weight as the stage holds it: its GGUF blocks decoded inside the matmul ('gguf', see engine/quant.py),
@@ -103,11 +107,18 @@ class Weight:
             return (self.tensor.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK).cast(dtypes.float32) * self.scale).reshape(rows, cols)
         return self.tensor
 
-    def matmul_t(self, x: Tensor) -> Tensor:
-        """x (N, cols) @ weight.T -> (N, rows)."""
+    def matmul_t(self, x: Tensor, *, norm: tuple[Tensor, float] | None = None, glu: bool = False,
+                 residual: Tensor | None = None) -> Tensor:
+        """x (N, cols) @ weight.T -> (N, rows), with the ops around a linear layer: RMS norm of x by (weight, eps),
+        silu(gate) * up of x = [gate | up], a residual added. Resident blocks do all of it in one kernel."""
         if self.quant is not None:
-            return self.quant.matmul_t(x)
-        return x @ self.value().cast(dtypes.float32).T
+            return self.quant.matmul_t(x, norm=norm, glu=glu, residual=residual)
+        if norm is not None:
+            x = rms_norm(x, *norm)
+        if glu:
+            x = x[:, :x.shape[1] // 2].silu() * x[:, x.shape[1] // 2:]
+        y = x @ self.value().cast(dtypes.float32).T
+        return y if residual is None else residual + y
 
     @property
     def nbytes(self) -> int:

@@ -111,10 +111,25 @@ SPECS: dict[int, BlockSpec] = {
 DOTS = SPECS  # the types whose blocks stay resident and are decoded in the kernel
 
 
-def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool):
-    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp) -> UOp:
+@dataclass(frozen=True)
+class Fused:
+    """What a matvec does around its dot products, so that the ops next to a linear layer cost no kernel of their own:
+    `norm` eps: x is RMS-normalized with a weight first (computed per group of rows: ~1/16 of the products);
+    `glu`: x holds [gate | up] and the input is silu(gate) * up; `residual`: the output adds a residual."""
+    norm: float | None = None
+    glu: bool = False
+    residual: bool = False
+
+
+LOG2E = 1.4426950408889634
+
+
+def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: Fused):
+    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = rest.shape
-        N, E = x.shape[0], spec.sub * spec.width
+        N, E, C = x.shape[0], spec.sub * spec.width, nb * spec.sub * spec.width
+        norm_w = extra[0] if fused.norm is not None else None
+        res = extra[-1] if fused.residual else None
         if gpu:  # a thread per row: lanes of a group read adjacent bytes, so the loads coalesce
             g, lane, ends = UOp.range(G, 0, AxisType.GLOBAL), UOp.range(il, 1, AxisType.LOCAL), ()
             acc_lane, gi, core = UOp.const(0, dtypes.int), g, g
@@ -123,14 +138,27 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool):
             g, lane, ends = core * (G // threads) + gi, UOp.range(il, 2, AxisType.UPCAST), (gi, core)
             acc_lane = lane
         n = UOp.range(N, 3)
+        # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
+        # and a reset tied only to it would run once for the whole kernel
+        outer = (n, g, lane) if gpu else (n, gi, core)
+        if norm_w is not None:
+            ss = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+            c = UOp.range(C, 60, AxisType.REDUCE)
+            ss = ss.after(*outer)[0].set(0.0)
+            ss = ss[0].set(ss.after(c)[0] + x[n, c] * x[n, c], end=c)
+            inv = (ss[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+
+        def xv(idx: UOp) -> UOp:
+            if fused.glu:
+                gate = x[n, idx]
+                return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
+            return x[n, idx] * inv * norm_w[idx] if norm_w is not None else x[n, idx]
+
         b = UOp.range(nb, 4, AxisType.REDUCE)
         byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
         half = lambda i: halfs[g, b, i, lane].cast(F32)
         regs = (1,) if gpu else (il,)
         acc = UOp.placeholder(regs, F32, 0, addrspace=AddrSpace.REG)
-        # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
-        # and a reset tied only to it would run once for the whole kernel
-        outer = (n, g, lane) if gpu else (n, gi, core)
         acc = acc.after(*outer)[acc_lane].set(0.0)
         # sub-blocks are unrolled here, in Python: their shifts and byte offsets become constants (Q4_1 2x, Q4_K
         # 5x faster than a loop over them), and each gets its own registers
@@ -138,19 +166,20 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool):
         for si in range(spec.sub):
             s, rid = si, 5 + 2 * si  # a Python int: constant offsets that tinygrad can prove in bounds
             j, j2 = UOp.range(spec.width, rid, AxisType.REDUCE), UOp.range(spec.width, rid + 1, AxisType.REDUCE)
-            xv = lambda jj: x[n, b * E + si * spec.width + jj]
+            base = b * E + si * spec.width
             dot = UOp.placeholder(regs, F32, 1 + 2 * si, addrspace=AddrSpace.REG)
             dot = dot.after(*outer, b)[acc_lane].set(0.0)
-            dot = dot[acc_lane].set(dot.after(j)[acc_lane] + spec.q(byte, s, j).cast(F32) * xv(j), end=j)
+            dot = dot[acc_lane].set(dot.after(j)[acc_lane] + spec.q(byte, s, j).cast(F32) * xv(base + j), end=j)
             part = dot[acc_lane] * spec.scale(byte, half, s)
             if spec.offset is not None:
                 xs = UOp.placeholder((1,), F32, 2 + 2 * si, addrspace=AddrSpace.REG)
                 xs = xs.after(*outer, b)[0].set(0.0)
-                xs = xs[0].set(xs.after(j2)[0] + xv(j2), end=j2)
+                xs = xs[0].set(xs.after(j2)[0] + xv(base + j2), end=j2)
                 part = part + xs[0] * spec.offset(byte, half, s)
             term = part if term is None else term + part
         acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b)
-        store = out[n, g * il + lane].store(acc[acc_lane])
+        row = g * il + lane
+        store = out[n, row].store(acc[acc_lane] + res[n, row] if res is not None else acc[acc_lane])
         store = store.end(lane, n, g) if gpu else store.end(lane).end(n, *ends)
         return store.sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}", opts_to_apply=()))
     return kernel
@@ -208,14 +237,20 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.rest.nbytes() + self.halfs.nbytes()
 
-    def matmul_t(self, x: Tensor) -> Tensor:
-        """x (N, cols) @ weight.T -> (N, rows) float32, the blocks decoded inside the kernel."""
+    def matmul_t(self, x: Tensor, *, norm: tuple[Tensor, float] | None = None, glu: bool = False,
+                 residual: Tensor | None = None) -> Tensor:
+        """x (N, cols) @ weight.T -> (N, rows) float32, the blocks decoded inside the kernel. With `norm` (weight,
+        eps) x is RMS-normalized first; with `glu` x is (N, 2 cols) [gate | up] and silu(gate) * up is used; with
+        `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
         threads = next(t for t in range(min(NUM_CPU_THREADS.value, G), 0, -1) if G % t == 0)
-        kernel = _matvec_kernel(Q(self.ggml_type).name.lower(), SPECS[self.ggml_type], threads, gpu)
+        fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
+        kernel = _matvec_kernel(Q(self.ggml_type).name.lower(), SPECS[self.ggml_type], threads, gpu, fused)
         out = Tensor.empty(x.shape[0], self.shape[0], dtype=F32, device=self.rest.device)
-        return Tensor.custom_kernel(out, self.rest, self.halfs, x.cast(F32).contiguous(), fxn=kernel)[0]
+        extra = ([norm[0].cast(F32).contiguous()] if norm is not None else []) + \
+                ([residual.cast(F32).contiguous()] if residual is not None else [])
+        return Tensor.custom_kernel(out, self.rest, self.halfs, x.cast(F32).contiguous(), *extra, fxn=kernel)[0]
 
     def read_row(self, r: int) -> np.ndarray:
         """Row r's raw GGUF bytes, read back from the resident blocks (the embedding of a tied model)."""

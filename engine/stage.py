@@ -162,12 +162,13 @@ class Stage:
                 info = tensor_info(g, full, shapes[short])
                 ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
                 weight_bytes += ws[short].nbytes
-            for kind in ("weight", "bias"):  # one matmul for q, k and v: fewer kernels per layer
-                names = [f"attn_{x}.{kind}" for x in "qkv"]
+            # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
+            for fused_name, names in [(f"attn_qkv.{kind}", [f"attn_{x}.{kind}" for x in "qkv"]) for kind in ("weight", "bias")] + \
+                    [("ffn_gate_up.weight", ["ffn_gate.weight", "ffn_up.weight"])]:
                 if all(n in ws for n in names) and (fused := concat_rows([ws[n] for n in names])) is not None:
                     for n in names:
                         del ws[n]
-                    ws[f"attn_qkv.{kind}"] = fused
+                    ws[fused_name] = fused
             blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
                                 norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
                                 kv_dtype=_KV_DTYPES[kv_dtype]))
