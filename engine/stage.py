@@ -18,6 +18,7 @@ from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
                      free_device_cache, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
+from .replay import CpuReplay, NotReplayable
 from .sampling import Sampling, pick_token
 
 __all__ = ["Column", "Sampling", "Stage", "WarmupResult", "prefill_chunks"]
@@ -126,6 +127,7 @@ class Stage:
         self._use_jit = use_jit
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
+        self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
@@ -342,7 +344,16 @@ class Stage:
                                                  for a in (x_np, cos_np, sin_np))
         for t, a in zip(inputs, (x_np, cos_np, sin_np)):
             write_into(t, a)
-        result = fn(*inputs, *binds)
+        replay = self._replays.get(shape)
+        if replay is not None:
+            result = replay({v.expr: val for v, val in (b.unbind() for b in binds)})
+        else:
+            result = fn(*inputs, *binds)
+            if self._use_jit and shape not in self._replays and fn.captured is not None:
+                try:
+                    self._replays[shape] = CpuReplay(fn, inputs)
+                except NotReplayable:
+                    self._replays[shape] = None
         if not self.last:
             out = _copy_out(result)[:n_real]
         elif wanted:
