@@ -27,6 +27,12 @@ from transport.webrtc import (
 )
 
 
+def _new_threads(before: set[threading.Thread]) -> set[threading.Thread]:
+    """Threads alive now that were not before: what a test left behind. Comparing counts would also see a thread
+    of an earlier test ending meanwhile (trio's idle worker threads exit after ~10 s), which on a busy box made
+    the count drop mid-test."""
+    return set(threading.enumerate()) - before
+
 
 @pytest.fixture(autouse=True)
 def loopback_host_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +59,7 @@ async def test_data_channel_passes_check_two_way_stream() -> None:
 
 
 async def test_megabytes_cross_byte_exact_and_nothing_is_left_behind() -> None:
-    threads, fds = threading.active_count(), _fds()
+    threads, fds = set(threading.enumerate()), _fds()
     data = os.urandom(3 * 1024 * 1024 + 17)  # not a multiple of the 64 KiB chunk
     async with open_rtc_bridge() as a, open_rtc_bridge() as b:
         s1, s2 = await _pair(a, b)
@@ -72,7 +78,7 @@ async def test_megabytes_cross_byte_exact_and_nothing_is_left_behind() -> None:
                     got += await s1.receive_some()
                 await s1.aclose()
         assert got == data
-    assert threading.active_count() == threads
+    assert not _new_threads(threads)
     assert _fds() == fds
 
 
@@ -120,22 +126,22 @@ async def test_cancelling_a_call_cancels_the_asyncio_task() -> None:
 
 
 async def test_exceptions_cross_the_bridge_and_the_thread_is_joined() -> None:
-    threads = threading.active_count()
+    threads = set(threading.enumerate())
 
     async def boom() -> None:
         raise KeyError("from asyncio")
 
     async with open_rtc_bridge() as bridge:
-        assert threading.active_count() == threads + 1
+        assert len(_new_threads(threads)) == 1
         with pytest.raises(KeyError, match="from asyncio"):
             await bridge.call(boom)
-    assert threading.active_count() == threads
+    assert not _new_threads(threads)
     with pytest.raises(RtcError, match="closed"):
         await bridge.call(boom)
 
 
 async def test_open_stream_waiting_for_an_answer_that_never_comes_is_cancellable() -> None:
-    threads, fds = threading.active_count(), _fds()
+    threads, fds = set(threading.enumerate()), _fds()
     async with open_rtc_bridge() as a, open_rtc_bridge() as b:
         offerer = await make_offer(a)
         answerer = await accept_offer(b, offerer.local_sdp)  # the offerer is never finished: ICE cannot start
@@ -144,7 +150,7 @@ async def test_open_stream_waiting_for_an_answer_that_never_comes_is_cancellable
         assert scope.cancelled_caught
         with pytest.raises(RtcError, match="before finish"):
             await offerer.open_stream()
-    assert threading.active_count() == threads
+    assert not _new_threads(threads)
     assert _fds() == fds
 
 

@@ -25,7 +25,7 @@ from signaling import (
     relay_webrtc,
 )
 
-from tests.test_webrtc import loopback_host_candidates  # noqa: F401  (autouse: host candidates on 127.0.0.1)
+from tests.test_webrtc import _new_threads, loopback_host_candidates  # noqa: F401  (autouse: host candidates on 127.0.0.1)
 
 
 class FakeLink:
@@ -63,7 +63,7 @@ async def serve_control(link: FakeLink, endpoint: RtcEndpoint, streams: dict[Sid
 
 
 async def test_coordinator_relays_a_hop_and_the_peers_get_a_working_stream() -> None:
-    threads = threading.active_count()
+    threads = set(threading.enumerate())
     data = os.urandom(300_000)
     got_a: dict[Side, trio.abc.Stream] = {}
     got_b: dict[Side, trio.abc.Stream] = {}
@@ -86,7 +86,7 @@ async def test_coordinator_relays_a_hop_and_the_peers_get_a_working_stream() -> 
         await forward.aclose()
         await inbound.aclose()
         nursery.cancel_scope.cancel()
-    assert threading.active_count() == threads
+    assert not _new_threads(threads)
 
 
 class Scripted:
