@@ -181,6 +181,11 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
     rows = read_rows(g, info)
     if rope_heads:
         rows = unpermute_rope_rows(rows, rope_heads)
+    if len(info.shape) == 1 and info.ggml_type in _FLOAT_TYPES and info.ggml_type != GGMLQuantizationType.BF16:
+        # norms and biases: converted on the host and copied in, with no kernel to schedule during the load
+        host = rows.view(_to_np_dtype(_FLOAT_TYPES[info.ggml_type])).astype(np.float32).reshape(info.shape)
+        write_into(t := device_empty(info.shape, dtypes.float32), host)
+        return Weight(t, info.shape)
     raw = Tensor(rows)
     n = int(np.prod(info.shape))
     dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
@@ -192,11 +197,13 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
 BLOCK_CHUNK_ROWS = 4096  # rows regrouped at a time: bounds the host copy of a large weight (the 8B head: 128k rows)
 
 
-def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int) -> Weight:
-    """Resident GGUF blocks, written chunk by chunk straight into their device buffers."""
-    n_rows, cols = info.shape
+def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int, whole: np.ndarray | None = None) -> Weight:
+    """Resident GGUF blocks, written chunk by chunk straight into their device buffers (from `whole`, raw rows
+    already read, when given)."""
+    n_rows, cols = info.shape if whole is None else (whole.shape[0], info.shape[1])
     il = interleave_for(n_rows)
-    whole = unpermute_rope_rows(read_rows(g, info), rope_heads) if rope_heads else None
+    if whole is None and rope_heads:
+        whole = unpermute_rope_rows(read_rows(g, info), rope_heads)
     step = max(il, BLOCK_CHUNK_ROWS - BLOCK_CHUNK_ROWS % il)
     rest = halfs = None
     for r0 in range(0, n_rows, step):
@@ -207,7 +214,19 @@ def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int) -> Weight:
             halfs = device_empty((n_rows // il, *p_halfs.shape[1:]), dtypes.float16)
         write_into(rest, p_rest, r0 // il * p_rest[0].nbytes)
         write_into(halfs, p_halfs, r0 // il * p_halfs[0].nbytes)
-    return Weight(None, info.shape, quant=QuantWeight(rest, halfs, info.shape, info.ggml_type))
+    return Weight(None, (n_rows, cols), quant=QuantWeight(rest, halfs, (n_rows, cols), info.ggml_type))
+
+
+def load_fused(g: GGUFFile, parts: list[tuple[TensorInfo, int]], mode: WeightMode) -> Weight | None:
+    """One resident weight holding the rows of several tensors (q, k, v; gate, up), their raw rows joined on the
+    host before they are regrouped, so no device kernel concatenates them during the load. None when they cannot
+    share one layout (not 'gguf', or different block types): the caller loads them apart."""
+    first = parts[0][0]
+    if mode != "gguf" or any(len(i.shape) != 2 or i.ggml_type != first.ggml_type or i.shape[1] != first.shape[1]
+                             for i, _ in parts) or first.ggml_type not in DOTS:
+        return None
+    raw = np.concatenate([unpermute_rope_rows(read_rows(g, i), h) if h else read_rows(g, i) for i, h in parts])
+    return _load_blocks(g, first, 0, whole=raw)
 
 
 Q8_CHUNK_ROWS = 1024  # rows converted at a time: bounds the f32 intermediates (the tied head is 49152 rows)

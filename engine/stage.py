@@ -15,8 +15,8 @@ from tinygrad.dtype import _to_np_dtype
 
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
-from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows, load_weight,
-                     free_device_cache, tensor_info, write_into)
+from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
+                     free_device_cache, load_fused, load_weight, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
 from .replay import CpuReplay, NotReplayable
 from .sampling import Sampling, pick_token
@@ -158,19 +158,31 @@ class Stage:
         rope_heads = {} if meta.rope_neox else {"attn_q.weight": H, "attn_k.weight": KvH, "attn_q.bias": H, "attn_k.bias": KvH}
         weight_bytes = 0
         blocks = []
+        # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
+        groups = [("attn_qkv.weight", ["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
+                  ("attn_qkv.bias", ["attn_q.bias", "attn_k.bias", "attn_v.bias"]),
+                  ("ffn_gate_up.weight", ["ffn_gate.weight", "ffn_up.weight"])]
         for layer in range(start, end):
+            names = block_tensor_names(meta, layer)
             ws = {}
-            for short, full in block_tensor_names(meta, layer).items():
-                info = tensor_info(g, full, shapes[short])
-                ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
-                weight_bytes += ws[short].nbytes
-            # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
-            for fused_name, names in [(f"attn_qkv.{kind}", [f"attn_{x}.{kind}" for x in "qkv"]) for kind in ("weight", "bias")] + \
-                    [("ffn_gate_up.weight", ["ffn_gate.weight", "ffn_up.weight"])]:
-                if all(n in ws for n in names) and (fused := concat_rows([ws[n] for n in names])) is not None:
-                    for n in names:
-                        del ws[n]
-                    ws[fused_name] = fused
+            for fused_name, members in groups:
+                if not all(m in names for m in members):
+                    continue
+                parts = [(tensor_info(g, names[m], shapes[m]), rope_heads.get(m, 0)) for m in members]
+                if (fused := load_fused(g, parts, weights)) is None:  # apart, then joined on the device if they can be
+                    loaded = [load_weight(g, info, weights, rope_heads=h) for info, h in parts]
+                    fused = concat_rows(loaded)
+                    if fused is None:
+                        ws.update(zip(members, loaded))
+                        weight_bytes += sum(w.nbytes for w in loaded)
+                        continue
+                ws[fused_name] = fused
+                weight_bytes += fused.nbytes
+            for short, full in names.items():
+                if short not in ws and not any(short in members and fused_name in ws for fused_name, members in groups):
+                    info = tensor_info(g, full, shapes[short])
+                    ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
+                    weight_bytes += ws[short].nbytes
             blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
                                 norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
                                 kv_dtype=_KV_DTYPES[kv_dtype]))
