@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The engine against llama.cpp on one H200, on synthetic GGUFs of the 1.1B and 8B llama shapes (bench/synth_gguf.py),
+# decode at batch 1. `one` then `two` are consecutive calls to the one warm machine (its /tmp survives between
+# them; `two` must follow within the 30 s the machine stays warm):
+#
+#   bench/h200_synth.sh one    carry .whl .llama: wheels, llama.cpp's llama-bench built in the background (setsid),
+#                              the four GGUFs written, the kernel tests on CUDA, the matvec layouts swept
+#                              (bench/matvec_bench.py), the engine bench on every file
+#   bench/h200_synth.sh two    waits for the build, llama-bench on every file, then engine runs left over
+#                              ($ENGINE2: "file@layout ...", layout = MESH_GPU_MV's value)
+#   bench/h200_synth.sh three  one call on a fresh machine after a kernel change: tests on CUDA, the matvec sweep,
+#                              the engine on every file (no llama.cpp: take its figures from a `two`)
+#
+# .whl holds tinygrad 0.14.0 and gguf 0.19.0 (numpy, tokenizers, jinja2, pyyaml, requests, tqdm are on the image);
+# .llama/lc.tgz holds llama.cpp as vendored by llama-cpp-python 0.3.36's sdist, without models/docs/tests/other
+# backends (5.7 MB; the sdist is 77 MB), made here with
+#   .venv/bin/python -m pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .llama
+#   tar xzf the sdist; cp -r its vendor/llama.cpp .llama/lc; in lc: rm -rf models docs media .github benches tests
+#   examples pocs conversion tools/ui tools/server/public*, and ggml/src/ggml-{openvino,webgpu,et,metal,hexagon,sycl,
+#   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
+# Everything printed lands in $OUT too.
+set -u
+phase=${1:?one or two}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+T0=$(date +%s)
+left() { echo $((${BUDGET:-560} - ($(date +%s) - T0))); }
+M=/tmp/m; mkdir -p $M
+FILES="1.1b-Q8_0 1.1b-Q4_0 8b-Q8_0 8b-Q4_0"
+
+if [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || exit 1
+fi
+
+engine() {  # engine <file> <log name> [layout]
+  local lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] || { echo "skip engine $1 ${3:-}: no time"; return; }
+  [ "$lim" -gt 240 ] && lim=240
+  echo "== engine $1 layout ${3:-default} (limit ${lim}s)"
+  MESH_GPU_MV=${3:-} DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$1.gguf --synthetic-prompt 16 \
+    --tokens 64 --ctx 256 --skip llama,memory,batch,split 2>&1 | grep -v Warning | tee -a "$OUT/$2"
+}
+
+llamabench() {  # every file once, when the build is there and time is left
+  [ -f /tmp/lb.done ] && return
+  [ "$(cat /tmp/lc.rc 2>/dev/null)" = 0 ] || { echo "llama-bench not built yet: $(tail -1 /tmp/lc.log)"; return; }
+  for f in $FILES; do
+    [ "$(left)" -gt 40 ] || return
+    echo "== llama-bench $f"
+    timeout 100 /tmp/lc/b/bin/llama-bench -m $M/$f.gguf -p 0 -n 64 -ngl 99 -r 5 2>&1 \
+      | grep -v "^ggml_\|^load\|^llama_" | tee -a "$OUT/llama_bench.txt"
+  done
+  touch /tmp/lb.done
+}
+
+case $phase in
+one)
+  {
+    date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    python3 -V; nproc; df -h /tmp | tail -1; free -g | head -2
+  } 2>&1 | tee "$OUT/env.txt"
+  if [ ! -f /tmp/lc.started ]; then
+    touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+    setsid nohup bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+      && cmake --build b -j10 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  fi
+  for f in 1.1b-Q8_0 1.1b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done 2>&1 | tee "$OUT/synth.txt"
+  ( for f in 8b-Q8_0 8b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done \
+    >> "$OUT/synth.txt" 2>&1; touch $M/.8b ) &
+  DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_engine_quant.py 2>&1 \
+    | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA timeout 170 python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 \
+    --layouts ${LAYOUTS:-naive,16:auto,16:auto:c,16:64:c} 2>&1 | grep -v Warning > "$OUT/matvec.txt"
+  sed -n '/^summary/,$p' "$OUT/matvec.txt"
+  while [ ! -f $M/.8b ]; do sleep 2; done; ls -la $M
+  for f in $FILES; do engine $f engine.txt; done
+  llamabench
+  echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -2 /tmp/lc.log)"
+  ;;
+three)  # a kernel change measured again on a fresh machine: tests on CUDA, the sweep, the engine (no llama.cpp)
+  for f in 1.1b-Q8_0 1.1b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done 2>&1 | tee "$OUT/synth.txt"
+  ( for f in 8b-Q4_0 8b-Q8_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done \
+    >> "$OUT/synth.txt" 2>&1; touch $M/.8b ) &
+  DEV=CUDA timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_engine_quant.py \
+    tests/test_engine_stage.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA timeout 120 python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 \
+    --layouts ${LAYOUTS:-16:auto,16:auto:c,16:64:c} 2>&1 | grep -v Warning > "$OUT/matvec.txt"
+  sed -n '/^summary/,$p' "$OUT/matvec.txt"
+  while [ ! -f $M/.8b ]; do sleep 2; done
+  for f in 1.1b-Q8_0 1.1b-Q4_0 8b-Q4_0 8b-Q8_0; do engine $f engine.txt; done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+two)
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done
+  tail -3 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
+  llamabench
+  for spec in ${ENGINE2:-}; do engine ${spec%%@*} engine2.txt ${spec#*@}; done  # file@layout, layout "" = default
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+esac

@@ -1,0 +1,97 @@
+"""The resident-block matvec (engine/quant.py) alone, per weight shape, type and GPU layout: GB/s of weight bytes.
+
+    DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --layouts naive,16:auto,16:auto:c
+
+A layout is MESH_GPU_MV's value, written with ':' so the list can use commas (engine/quant.py `_gpu_layout`):
+"naive" is a thread per row; "U:P" U rows per thread as vector lanes, P threads each reading whole blocks of a
+row; "U:P:c" P blocks side by side with a thread per value of a sub-block (the default, with P "auto"); "default"
+is whatever the engine does unset. Each measurement replays, in one
+TinyJit, the matvec over enough copies of the weight to exceed 256 MB (so the 60 MB L2 of an H200 holds none of
+them between uses), and divides the replay's wall time by the number of matvecs: launch gaps of a replayed graph
+included, as in a decode step. Random blocks with small f16 scales (bench/synth_gguf.py's generator); the result
+is checked against numpy on the first copy.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # (rows, cols) of a decode step's matvecs, q/k/v and gate/up fused as the engine fuses them
+    "tiny": {"a": (64, 256), "b": (48, 352)},
+    "1.1b": {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632), "head": (32000, 2048)},
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "head": (128256, 4096)},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--types", default="Q8_0,Q4_0")
+    ap.add_argument("--layouts", default="naive,16:64")
+    ap.add_argument("--mats", default="", help="comma list of the shape's matrices (default all)")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    from tinygrad import Device, Tensor, TinyJit
+    from engine.quant import QuantWeight, interleave_for, repack
+    from bench.synth_gguf import _matrix_chunks, _Random
+    dev = Device.DEFAULT
+    rng, unit = _Random(0), {}
+    mats = a.mats.split(",") if a.mats else list(SHAPES[a.shape])
+    rows_out = []
+    for qt in a.types.split(","):
+        for mname in mats:
+            rows, cols = SHAPES[a.shape][mname]
+            raw = np.concatenate(list(_matrix_chunks(rng, Q[qt], rows, cols, cols ** -0.5, unit))).reshape(rows, -1)
+            nbytes = raw.nbytes
+            copies = max(1, -(-(256 << 20) // nbytes)) if a.shape != "tiny" else 2
+            rest, halfs = repack(raw, Q[qt], interleave_for(rows))
+            ws = [QuantWeight(Tensor(rest, device=dev).contiguous().realize(), Tensor(halfs, device=dev).contiguous().realize(),
+                              (rows, cols), Q[qt]) for _ in range(copies)]
+            x_np = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+            x = Tensor(x_np, device=dev).realize()
+            want = (x_np.astype(np.float64) @ dequantize(raw[:min(rows, 4096)], Q[qt]).reshape(-1, cols).T.astype(np.float64))
+            del raw, rest, halfs
+            for layout in a.layouts.split(","):
+                os.environ["MESH_GPU_MV"] = layout.replace(":", ",")
+
+                @TinyJit
+                def step(x: Tensor) -> list[Tensor]:
+                    return [w.matmul_t(x).realize() for w in ws]
+                try:
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        outs = step(x)
+                    Device[dev].synchronize()
+                    compile_s = time.perf_counter() - t0
+                    got = outs[0].numpy()[:, :want.shape[1]]
+                    err = float(np.abs(got - want).max() / np.abs(want).max())
+                    times = []
+                    for _ in range(a.reps):
+                        t = time.perf_counter()
+                        step(x)
+                        Device[dev].synchronize()
+                        times.append((time.perf_counter() - t) / copies)
+                    us = statistics.median(times) * 1e6
+                    line = (f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {nbytes / 1e6:8.1f} MB  {layout:7s} {us:9.1f} us "
+                            f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}  ({copies} copies, first calls {compile_s:.1f} s)")
+                except Exception as e:  # one layout failing must not hide the others
+                    line = f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {layout:7s} FAILED {type(e).__name__}: {str(e)[:200]}"
+                print(line, flush=True)
+                rows_out.append(line)
+            del ws
+    print("\nsummary")
+    print("\n".join(rows_out))
+
+
+if __name__ == "__main__":
+    main()
