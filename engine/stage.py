@@ -54,16 +54,17 @@ def _copy_out(t: Tensor) -> np.ndarray:
 
 
 # A prompt's run of columns goes through the layers in chunks of these sizes (a chunk's columns padded up to its
-# size), so a new prompt length never makes a new compiled shape; `warmup` compiles them all at load. 64 is the
-# coordinator's prefill chunk (mesh/pipeline.py), so a mesh step fills one chunk exactly; 16 bounds the padding of a
-# prompt's tail to 15 rows. On the CPU a prefill step costs ~linear in its rows (45 ms a row for SmolLM2 at 16, 64,
-# 128 and 256 rows alike), so larger sizes would not go faster there and each size costs one compile per stage.
-PREFILL_BUCKETS = (16, 64)
+# size), so a new prompt length never makes a new compiled shape; `warmup` compiles them all at load, each size one
+# compile per stage (~10-15 s for SmolLM2's 30 layers on the CPU). One size: on the CPU a prefill step costs its rows
+# (each column is its own matvec pass; SmolLM2 ~40 ms a row at 16 and at 64 rows), so a 64-token prompt took 2.7 s as
+# four chunks of 16 and 2.5-2.8 s as one of 64, while the 64 shape added 13 s to the warmup. 16 bounds a prompt
+# tail's padding to 15 rows. Add a larger size when a step of more rows gets cheaper per row (a GEMM path, a GPU).
+PREFILL_BUCKETS = (16,)
 # What a chunk costs beyond its rows, in rows, when choosing a prompt's chunks: a small preference for fewer steps.
 CHUNK_COST = 4
 
 
-def prefill_chunks(n: int, slack: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[tuple[int, int], ...]:
+def prefill_chunks(n: int, slack: int, buckets: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
     """How a run of `n` columns is cut into chunks: (columns, padded size) in order, the padded one (if any) last.
 
     `slack` is how many positions the context has after the run's end: a chunk's pad rows write cache positions
@@ -72,6 +73,7 @@ def prefill_chunks(n: int, slack: int, buckets: tuple[int, ...] = PREFILL_BUCKET
     larger chunks first. A function of (n, slack) alone: every stage of a chain cuts a step the same way, so a
     layer sees the same kernels whatever range holds it.
     """
+    buckets = PREFILL_BUCKETS if buckets is None else tuple(buckets)
     return _chunks(n, min(slack, max(buckets)), buckets)
 
 

@@ -232,17 +232,20 @@ def test_weight_and_cache_modes_agree(models):
 
 
 def test_prefill_chunks_cover_the_run_and_pad_only_at_the_end():
-    sizes = {1, *PREFILL_BUCKETS}
-    for slack in (0, 1, 7, 15, 63, 1000):
-        for n in range(1, 300):
-            plan = prefill_chunks(n, slack)
-            assert sum(k for k, _ in plan) == n, (n, slack)
-            assert all(size in sizes and 1 <= k <= size for k, size in plan), (n, slack, plan)
-            assert all(k == size for k, size in plan[:-1]), (n, slack, plan)  # only the last chunk pads
-            assert plan[-1][1] - plan[-1][0] <= slack, (n, slack, plan)
-    assert prefill_chunks(64, 0) == ((64, 64),) and prefill_chunks(16, 0) == ((16, 16),)
-    assert prefill_chunks(5, 100) == ((5, 16),) and prefill_chunks(5, 3) == ((1, 1),) * 5
-    assert prefill_chunks(100, 100) == ((64, 64), (16, 16), (16, 16), (4, 16))
+    for buckets in (PREFILL_BUCKETS, (16, 64)):
+        sizes = {1, *buckets}
+        for slack in (0, 1, 7, 15, 63, 1000):
+            for n in range(1, 300):
+                plan = prefill_chunks(n, slack, buckets)
+                assert sum(k for k, _ in plan) == n, (n, slack)
+                assert all(size in sizes and 1 <= k <= size for k, size in plan), (n, slack, plan)
+                assert all(k == size for k, size in plan[:-1]), (n, slack, plan)  # only the last chunk pads
+                assert plan[-1][1] - plan[-1][0] <= slack, (n, slack, plan)
+    assert prefill_chunks(16, 0) == ((16, 16),) and prefill_chunks(5, 100) == ((5, 16),)
+    assert prefill_chunks(5, 3) == ((1, 1),) * 5  # no room to pad: the decode step's shape
+    assert prefill_chunks(17, 100) == ((16, 16), (1, 1)) and prefill_chunks(20, 100) == ((16, 16), (4, 16))
+    assert prefill_chunks(64, 0, (16, 64)) == ((64, 64),)
+    assert prefill_chunks(100, 100, (16, 64)) == ((64, 64), (16, 16), (16, 16), (4, 16))
 
 
 def test_prompts_of_any_length_run_in_the_warmed_shapes(models):
