@@ -142,9 +142,13 @@ class Worker:
     # ---- the Stage-like API ----
 
     async def load(self, path: str | os.PathLike, start: int, end: int, *, n_slots: int = 4,
-                   max_context: int = 2048) -> WorkerInfo:
+                   max_context: int = 2048, warmup: int = 1) -> WorkerInfo:
+        """Load layers [start, end) and compile the steps of a session before answering (`Stage.warmup`): decode
+        steps of 1..`warmup` sequences (a mesh session decodes one) and the prefill chunks; 0 skips that, and the
+        first step of each shape compiles it instead (seconds on a real model; tests of tiny ones can skip it)."""
         self.info = None  # the worker drops what it held before it loads; a failed Load leaves nothing loaded
-        ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context), Loaded)
+        ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context, warmup),
+                                 Loaded)
         self.info = ev.info
         return ev.info
 

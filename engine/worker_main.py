@@ -124,18 +124,24 @@ class WorkerLoop:
             raise _Refuse(f"layer range [{cmd.start}, {cmd.end}) is empty or negative")
         if cmd.n_slots < 1 or cmd.max_context < 1:
             raise _Refuse(f"n_slots ({cmd.n_slots}) and max_context ({cmd.max_context}) must be at least 1")
+        if not 0 <= cmd.warmup <= cmd.n_slots:
+            raise _Refuse(f"warmup ({cmd.warmup}) must lie in [0, n_slots = {cmd.n_slots}]")
         from engine.stage import Stage
         t0 = time.perf_counter()
         try:
             stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context)
+            load_ms = (time.perf_counter() - t0) * 1000
+            # compile every step shape now, so that the first steps of a session (and a prompt of a new length)
+            # do not wait seconds for tinygrad: Loaded means ready to step at full speed
+            warm = stage.warmup(decode_batch=cmd.warmup) if cmd.warmup else None
         except EngineError as exc:
             raise _Refuse(f"{type(exc).__name__}: {exc}") from None
-        load_ms = (time.perf_counter() - t0) * 1000
         self.stage = stage
         self.last_step_id = -1
         return Loaded(WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
                                  act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),
-                                 kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms))
+                                 kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms,
+                                 warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0))
 
     def on_step(self, cmd: Step) -> Event:
         hidden = None

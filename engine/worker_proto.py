@@ -58,6 +58,7 @@ class Load:
     end: int
     n_slots: int
     max_context: int
+    warmup: int  # compile decode steps of 1..warmup sequences and the prefill chunks before Loaded; 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,8 @@ class WorkerInfo:
     kv_bytes: int
     fingerprint: str
     load_ms: float
+    warmup_ms: float  # compiling the step shapes after the load (Stage.warmup); 0 when Load asked for none
+    warmup_shapes: int
 
     @property
     def first(self) -> bool:

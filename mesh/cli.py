@@ -96,6 +96,9 @@ def coord_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-webrtc", action="store_true", help="fall back to WebRTC for hops a direct dial cannot make")
     p.add_argument("--webrtc-hops", type=_hops, default=(), help="force these hops (1 = peer 1 -> peer 2) onto WebRTC")
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="compile the decode step of 1..N sequences and the prefill chunks at load, before reporting "
+                        "ready (default 1: a session decodes one; 0: compile each step shape when first used)")
     p.add_argument("--json", action="store_true",
                    help="with --prompt: print one JSON object (text, token ids, timings) instead of streaming text")
     _common(p)
@@ -119,7 +122,7 @@ def coord_main(argv: list[str] | None = None) -> None:
     cfg = CoordConfig(model=Path(model), listen=args.listen, token=_token(args), min_peers=args.min_peers,
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
-                      ice=ice)
+                      warmup=args.warmup, ice=ice)
     _run("mesh-coord", _run_coord, cfg, args)
 
 
@@ -256,6 +259,9 @@ def peer_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, help="planning hint: memory this peer offers (default: free memory)")
     p.add_argument("--cache-dir", type=Path, help="where shipped layers are kept (default: ~/.cache/mesh)")
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="compile the decode step of 1..N sequences and the prefill chunks at load, before reporting "
+                        "ready (default 1: a session decodes one; 0: compile each step shape when first used)")
     _common(p)
     return p
 
@@ -277,6 +283,6 @@ def peer_main(argv: list[str] | None = None) -> None:
             sys.exit(f"mesh-peer: model {args.model}: {exc}")
     cfg = PeerConfig(join=args.join, token=_token(args), listen=args.listen, advertise=args.advertise, model=model,
                      layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
-                     device=args.device, max_context=args.max_context,
+                     device=args.device, max_context=args.max_context, warmup=args.warmup,
                      ice=IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass))
     _run("mesh-peer", Peer(cfg).run)

@@ -49,6 +49,7 @@ class CoordConfig:
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
     n_slots: int = 4
     max_context: int = 2048
+    warmup: int = 1                    # decode widths the local stage compiles at load (Worker.load); 0: none
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
@@ -285,7 +286,7 @@ class Coordinator:
             from engine.worker import open_worker
             fleet.local = await stack.enter_async_context(open_worker(device=self.cfg.device))
             await fleet.local.load(self.cfg.model, 0, self.cfg.layers[1], n_slots=self.cfg.n_slots,
-                                   max_context=self.cfg.max_context)
+                                   max_context=self.cfg.max_context, warmup=self.cfg.warmup)
         with trio.fail_after(RPC_SECONDS):
             topology = await fleet.negotiate(members)
         print(topology, file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ class PeerConfig:
     device: str | None = None
     n_slots: int = 4
     max_context: int = 2048
+    warmup: int = 1                    # decode widths compiled at load (Worker.load); 0: each shape on first use
     report_every: float = 5.0
     rejoin_max_delay: float = 5.0
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
@@ -238,12 +239,15 @@ class Peer:
 
     # ---- loading and shipping --------------------------------------------------------------------------------
     async def _load(self, path: Path, start: int, end: int) -> None:
-        info = await self.worker.load(path, start, end, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context)
+        info = await self.worker.load(path, start, end, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context,
+                                      warmup=self.cfg.warmup)
         self.loaded = (start, end)
         self.loaded_fingerprint = info.fingerprint
         self.loaded_total = info.total
         self.report.layers = (start, end)
-        log.info("loaded layers %d..%d of %s (%.1f MB of weights)", start, end, path.name, info.weight_bytes / 1e6)
+        log.info("loaded layers %d..%d of %s (%.1f MB of weights) in %.1f s, compiled %d step shapes in %.1f s",
+                 start, end, path.name, info.weight_bytes / 1e6, info.load_ms / 1e3, info.warmup_shapes,
+                 info.warmup_ms / 1e3)
 
     async def _handle_load(self, ev: proto.Load) -> tuple[int, str]:
         LC = proto.LoadCode

@@ -153,13 +153,13 @@ def test_unsupported_dtype_is_refused(arena):
 # ---- the control protocol codec ----
 
 _ref = RecordRef(INGRESS, 128, 3, 2, 16)
-_COMMANDS = [Initialize(1, None), Initialize(2, "CPU:X86"), Load(3, "/m.gguf", 0, 4, 2, 64),
+_COMMANDS = [Initialize(1, None), Initialize(2, "CPU:X86"), Load(3, "/m.gguf", 0, 4, 2, 64, 1),
              Step(4, 9, (WireColumn(0, 1, False, 5), WireColumn(1, 1, True, 6)), ({"temperature": 0.5, "seed": 3},),
                   False, _ref),
              Step(5, 10, (WireColumn(2, 0, True, 0),), (), True, None), ZeroSlot(6, 1), Reset(7), Rollback(8, 1, 3),
              Shutdown(9)]
 _EVENTS = [Ready("CPU", "CPU", "default", "", (2, 4, 6), 1.5),
-           Loaded(WorkerInfo(0, 2, 4, 64, "float32", 10, 20, "ab12", 3.0)), StepDone(9, _ref, 0.25), Done("Reset"),
+           Loaded(WorkerInfo(0, 2, 4, 64, "float32", 10, 20, "ab12", 3.0, 1250.5, 3)), StepDone(9, _ref, 0.25), Done("Reset"),
            CommandError("Step", "no model"), Fatal("record.magic", "bad"), Stopped("shutdown")]
 
 
@@ -185,7 +185,12 @@ def test_event_round_trip_keeps_the_envelope(event):
     (b'{"type":"Explode","cid":1}', "unknown command type 'Explode'", "Explode"),
     (b'{"type":"Reset"}', "missing field 'cid'", "Reset"),
     (b'{"type":"Reset","cid":1,"force":true}', r"unknown field\(s\) \['force'\]", "Reset"),
-    (b'{"type":"Load","cid":1,"path":"p","start":"0","end":2,"n_slots":1,"max_context":8}', "Load.start", "Load"),
+    (b'{"type":"Load","cid":1,"path":"p","start":"0","end":2,"n_slots":1,"max_context":8,"warmup":1}', "Load.start",
+     "Load"),
+    (b'{"type":"Load","cid":1,"path":"p","start":0,"end":2,"n_slots":1,"max_context":8}', "missing field 'warmup'",
+     "Load"),
+    (b'{"type":"Load","cid":1,"path":"p","start":0,"end":2,"n_slots":1,"max_context":8,"warmup":true}',
+     "Load.warmup: expected an integer", "Load"),
     (b'{"type":"ZeroSlot","cid":1,"slot":true}', "ZeroSlot.slot: expected an integer", "ZeroSlot"),
 ])
 def test_bad_command_lines_raise_wire_error_naming_the_problem(line, match, command):

@@ -28,7 +28,7 @@ def unsharded_text(model: Path) -> str:
     async def main():
         tok = Tokenizer.from_gguf(model)
         async with open_worker() as w:
-            await w.load(model, 0, 6)
+            await w.load(model, 0, 6, warmup=0)
             tokens = (await generate(LocalPipeline(w), tok.encode(PROMPT), max_tokens=MAX_TOKENS, sampling=Sampling(),
                                      eos_ids=tok.eos_ids)).tokens
         decoder = StreamDecoder(tok)
@@ -42,7 +42,8 @@ def test_chat_survives_a_peer_that_disappears_mid_answer(model):
     expected = unsharded_text(model)
     port = free_port()
     with processes() as start:
-        peers = [start(mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--model", str(model)),
+        peers = [start(mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--model", str(model),
+                                "--warmup", "0"),  # compiling at load costs a tiny worker ~10 s; not tested here
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(3)]
         coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--min-peers", "3",
                                "--settle", "0.5", "--wait", "120", "--template", "raw", "--max-tokens", str(MAX_TOKENS)),

@@ -44,6 +44,8 @@ async def test_out_of_order_and_wrong_arguments_are_command_errors_not_fatal(tmp
             await w.load(junk, 3, 1)
         with pytest.raises(WorkerCommandError, match="Load.start: expected an integer"):
             await w.load(junk, "zero", 1)
+        with pytest.raises(WorkerCommandError, match=r"warmup \(5\) must lie in \[0, n_slots = 4\]"):
+            await w.load(junk, 0, 1, warmup=5)
         with pytest.raises(WorkerCommandError, match="junk.gguf"):  # the loader's own error, passed on
             await w.load(junk, 0, 1)
         with pytest.raises(WorkerCommandError, match="send Load before Rollback"):
@@ -159,15 +161,19 @@ def _decode(run, n_stages, prompt, n_new, Column):
 
 
 async def test_tiny_model_through_two_workers_equals_in_process_stage_bitwise(tiny_model):
-    from engine.stage import Column, Sampling
+    from engine.stage import PREFILL_BUCKETS, Column, Sampling
     prompt, n_new = [3, 17, 42, 99, 7], 4
     want_tokens, want_acts = _decode_in_process(tiny_model, [0, 2, 4], prompt, n_new)
     async with open_worker(device="CPU") as a, open_worker(device="CPU") as b:
-        ia = await a.load(tiny_model, 0, 2, n_slots=2, max_context=64)
-        ib = await b.load(tiny_model, 2, 4, n_slots=2, max_context=64)
+        ia = await a.load(tiny_model, 0, 2, n_slots=2, max_context=64, warmup=0)
+        ib = await b.load(tiny_model, 2, 4, n_slots=2, max_context=64)  # warmup=1: the decode step and the chunks
         assert (ia.first, ia.last, ib.first, ib.last) == (True, False, False, True)
         assert ia.total == 4 and ia.dim == 64 and ia.act_dtype == "float32" and ia.weight_bytes > 0
         assert ia.kv_bytes > 0 and ia.fingerprint and ia.load_ms > 0
+        # b answered Loaded after its warmup: the decode step and the prefill chunks are compiled, and the steps below
+        # (which run in those shapes) still equal an in-process stage's that compiled them on first use
+        assert ib.warmup_shapes == 1 + len(PREFILL_BUCKETS) and ib.warmup_ms > 0
+        assert ia.warmup_shapes == 0 and ia.warmup_ms == 0.0
         workers, got_tokens, got_acts = [a, b], list(prompt), []
         cols = [Column(p, 1, p == len(prompt) - 1, t) for p, t in enumerate(prompt)]
         for _ in range(n_new):
@@ -200,7 +206,8 @@ async def test_tiny_model_through_two_workers_equals_in_process_stage_bitwise(ti
 async def test_a_cancelled_step_leaves_the_worker_usable(tiny_model):
     from engine.stage import Column, Sampling
     async with open_worker(device="CPU") as w:
-        await w.load(tiny_model, 0, 2, n_slots=2, max_context=64)
+        info = await w.load(tiny_model, 0, 2, n_slots=2, max_context=64, warmup=0)
+        assert info.warmup_shapes == 0 and info.warmup_ms == 0.0
         os.kill(w.pid, signal.SIGSTOP)
         with trio.CancelScope() as scope:
             async def cancel_when_waiting():

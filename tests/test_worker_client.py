@@ -49,7 +49,7 @@ for line in sys.stdin.buffer:
         sys.stdout.buffer.write(b"{half an event\n")
         sys.stdout.flush()
     elif mode == "wrong-type":
-        emit(Loaded(WorkerInfo(0, 1, 1, 4, "float32", 0, 0, "x", 0.0)), cmd.cid)
+        emit(Loaded(WorkerInfo(0, 1, 1, 4, "float32", 0, 0, "x", 0.0, 0.0, 0)), cmd.cid)
     elif mode == "future-reply":
         emit(Done("Reset"), cmd.cid + 5)
     else:
