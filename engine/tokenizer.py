@@ -22,6 +22,7 @@ from tokenizers import pre_tokenizers as _pre
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModel
 from engine.gguf_meta import read_metadata
+from engine.tokenizer_spm import build_spm, spm_piece_bytes
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "UnsupportedTokenizer", "read_tokenizer_metadata"]
 
@@ -118,31 +119,42 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+# tokenizer.ggml.model values: byte-level BPE, and SentencePiece's BPE (engine/tokenizer_spm.py)
+MODELS = ("gpt2", "llama")
+
+
 class Tokenizer:
-    """A GGUF's byte-level BPE tokenizer, producing llama.cpp's ids."""
+    """A GGUF's tokenizer (byte-level BPE or SentencePiece), producing llama.cpp's ids."""
 
     def __init__(
         self,
         *,
         tokens: list[str],
         token_types: list[int],
-        merges: list[str],
-        pre: str,
+        merges: list[str] | None = None,
+        pre: str = "default",
         bos_id: int | None,
         eos_ids: frozenset[int],
         eos_id: int | None = None,
         add_bos: bool,
         chat_template: str | None,
         name: str = "<memory>",
+        model: str = "gpt2",
+        scores: list[float] | None = None,
+        add_space_prefix: bool = False,
+        unk_id: int | None = None,
     ) -> None:
-        if pre not in _PRE:
+        if model not in MODELS:
+            raise UnsupportedTokenizer(f"{name}: tokenizer model {model!r} is not supported (supported: "
+                                       f"{', '.join(MODELS)})")
+        if model == "gpt2" and pre not in _PRE:
             raise UnsupportedTokenizer(
                 f"{name}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE))})"
             )
         if len(token_types) != len(tokens):
             raise ModelFormatError(f"{name}: {len(tokens)} tokens but {len(token_types)} token types")
-        cfg = _PRE[pre]
         self.name = name
+        self.model = model
         self.pre = pre
         self.vocab_size = len(tokens)
         self.bos_id = bos_id
@@ -152,7 +164,21 @@ class Tokenizer:
         self.chat_template = chat_template
         self._tokens = tokens
         self._types = token_types
-
+        # llama.cpp cuts these out of the text before tokenizing it: control and unknown tokens as special,
+        # user-defined tokens too (they are matched even when special parsing is off)
+        special = [i for i, t in enumerate(token_types) if t in (_CONTROL, _UNKNOWN)]
+        user = [i for i, t in enumerate(token_types) if t == _USER_DEFINED]
+        if model == "llama":
+            if scores is None or len(scores) != len(tokens):
+                raise ModelFormatError(f"{name}: a SentencePiece vocabulary needs one score per token")
+            self._hf = build_spm(tokens, scores, add_space_prefix=add_space_prefix, unk_id=unk_id,
+                                 special=special, user_defined=user)
+            self._bytes = [tok.encode("utf-8") if t in (_CONTROL, _UNKNOWN) else spm_piece_bytes(tok, t == _BYTE)
+                           for tok, t in zip(tokens, token_types)]
+            return
+        if merges is None:
+            raise ModelFormatError(f"{name}: a byte-level BPE vocabulary needs its merges")
+        cfg = _PRE[pre]
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = []
         for m in merges:
@@ -164,16 +190,8 @@ class Tokenizer:
         hf = _HFTokenizer(bpe)
         steps = [make() for make in cfg.steps]
         hf.pre_tokenizer = steps[0] if len(steps) == 1 else _pre.Sequence(steps)
-        # llama.cpp splits the text on these before pre-tokenizing: control and unknown tokens as special,
-        # user-defined tokens too (they are matched even when special parsing is off)
-        hf.add_special_tokens([
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(token_types) if t in (_CONTROL, _UNKNOWN)
-        ])
-        hf.add_tokens([
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(token_types) if t == _USER_DEFINED
-        ])
+        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
         self._hf = hf
 
         to_byte = _byte_decoder()
@@ -196,16 +214,16 @@ class Tokenizer:
         model = kv.get("tokenizer.ggml.model")
         if model is None:
             raise ModelFormatError(f"{path}: GGUF has no tokenizer (tokenizer.ggml.model missing)")
-        if model != "gpt2":
-            raise UnsupportedTokenizer(
-                f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
-            )
+        if model not in MODELS:
+            raise UnsupportedTokenizer(f"{path}: tokenizer model {model!r} is not supported (supported: "
+                                       f"{', '.join(MODELS)}: byte-level BPE and SentencePiece)")
         pre = kv.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE:
+        if model == "gpt2" and pre not in _PRE:
             raise UnsupportedTokenizer(
                 f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE))})"
             )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        needed = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges" if model == "gpt2" else "tokenizer.ggml.scores")
+        for key in needed:
             if not isinstance(kv.get(key), list):
                 raise ModelFormatError(f"{path}: GGUF lacks {key}")
         tokens: list[str] = kv["tokenizer.ggml.tokens"]  # type: ignore[assignment]
@@ -219,18 +237,29 @@ class Tokenizer:
                 raise ModelFormatError(f"{path}: {key} = {v!r} is not a token id below {len(tokens)}")
             return v
 
+        spm = model == "llama"
         bos = token_id("tokenizer.ggml.bos_token_id")
         declared_eos = token_id("tokenizer.ggml.eos_token_id")
+        if spm:  # llama.cpp's defaults for a SentencePiece vocabulary that does not name them
+            bos = 1 if bos is None and len(tokens) > 1 else bos
+            declared_eos = 2 if declared_eos is None and len(tokens) > 2 else declared_eos
         # end of generation: the declared eos/eot/eom ids plus every control token llama.cpp treats as one
         eos = {i for k in ("eos", "eot", "eom") if (i := token_id(f"tokenizer.ggml.{k}_token_id")) is not None}
         eos |= {i for i, (tok, t) in enumerate(zip(tokens, types)) if t == _CONTROL and tok in EOG_TEXTS}
-        add_bos = kv.get("tokenizer.ggml.add_bos_token", _PRE[pre].add_bos_default)
+        if declared_eos is not None:
+            eos.add(declared_eos)
+        add_bos = kv.get("tokenizer.ggml.add_bos_token", True if spm else _PRE[pre].add_bos_default)
         template = kv.get("tokenizer.chat_template")
         return cls(
             tokens=tokens,
             token_types=list(types),  # type: ignore[arg-type]
-            merges=kv["tokenizer.ggml.merges"],  # type: ignore[arg-type]
+            merges=kv.get("tokenizer.ggml.merges"),  # type: ignore[arg-type]
             pre=pre,  # type: ignore[arg-type]
+            model=model,  # type: ignore[arg-type]
+            scores=kv.get("tokenizer.ggml.scores"),  # type: ignore[arg-type]
+            # llama.cpp: a SentencePiece vocabulary writes a space before the text unless the GGUF says not to
+            add_space_prefix=bool(kv.get("tokenizer.ggml.add_space_prefix", True)) if spm else False,
+            unk_id=token_id("tokenizer.ggml.unknown_token_id") if spm else None,
             bos_id=bos,
             eos_ids=frozenset(eos),
             eos_id=declared_eos,

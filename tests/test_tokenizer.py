@@ -155,9 +155,10 @@ def test_bos_added_only_when_asked_and_never_twice(tmp_path):
 
 # --- refusals and malformed files ----------------------------------------------------------------------------------
 
-def test_sentencepiece_model_is_refused_naming_file_and_tokenizer(tmp_path):
-    path = write_tiny_gguf(tmp_path / "spm.gguf", model="llama")
-    with pytest.raises(UnsupportedTokenizer, match=r"spm\.gguf: tokenizer model 'llama'"):
+def test_unigram_model_is_refused_naming_file_and_tokenizer(tmp_path):
+    # SentencePiece's BPE ('llama') is supported (tests/test_tokenizer_spm.py); its unigram model ('t5') is not
+    path = write_tiny_gguf(tmp_path / "ugm.gguf", model="t5")
+    with pytest.raises(UnsupportedTokenizer, match=r"ugm\.gguf: tokenizer model 't5'"):
         Tokenizer.from_gguf(path)
 
 
