@@ -251,6 +251,19 @@ def write_into(t: Tensor, a: np.ndarray, offset: int = 0) -> None:
     alloc._copyin(dest, mv)
 
 
+_ZEROS = np.zeros(1 << 20, np.uint8)  # a MiB of zeros, the source of every zero_rows copy
+
+
+def zero_rows(t: Tensor, r0: int, r1: int) -> None:
+    """Zero rows [r0, r1) of a realized contiguous device tensor (a KV cache's slots) with raw copies, no kernel."""
+    row = t.nbytes() // t.shape[0]
+    buf = t.uop.buffer
+    alloc = Device[buf.device].allocator
+    for off in range(r0 * row, r1 * row, len(_ZEROS)):
+        n = min(len(_ZEROS), r1 * row - off)
+        alloc._copyin(alloc._offset(buf._buf, n, off), memoryview(_ZEROS)[:n])
+
+
 def _load_q8(g: GGUFFile, info: TensorInfo, whole: np.ndarray | None) -> Weight:
     """Convert a tensor to q8 a chunk of rows at a time, reading each chunk from the file and writing its result
     straight into the device buffers: the load's peak is the weight plus one chunk, not twice the weight (the

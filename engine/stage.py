@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_name
                      free_device_cache, load_fused, load_weight, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
 from .replay import CpuReplay, NotReplayable
+from .shared_layers import NotShareable, capture_shared
 from .sampling import Sampling, pick_token
 
 __all__ = ["Column", "Sampling", "Stage", "WarmupResult", "prefill_chunks"]
@@ -130,6 +132,8 @@ class Stage:
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
+        # capture one layer per shape and reuse its kernels (engine/shared_layers.py); MESH_SHARED_LAYERS=0: whole
+        self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
@@ -215,7 +219,7 @@ class Stage:
         """Forget everything slot `slot` holds and clear its cache."""
         self._check_slot(slot)
         for b in self._blocks:
-            b.zero_slot(self._vslot[0].bind(int(slot)))
+            b.zero_slot(int(slot))
         self._lengths[slot] = 0
 
     def reset(self) -> None:
@@ -340,14 +344,6 @@ class Stage:
         # size does not make a new jit; only "every row" is a shape of its own
         every_row = self.last and picks == tuple(range(size))
         shape = (size, jit_runs, -1 if every_row else len(picks))
-        fn = self._jits.get(shape)
-        if new_shape := fn is None:
-            fn = partial(self._graph, shape)
-            if self._use_jit:
-                fn = self._jits[shape] = TinyJit(fn)
-                # capture on the first call: all inputs and weights are realized before it, so there are no
-                # one-time kernels to leave out, and scheduling 30 layers twice would double the first token
-                fn.cnt = 1
         binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
                 [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
         if not every_row:
@@ -358,6 +354,11 @@ class Stage:
                                                  for a in (x_np, cos_np, sin_np))
         for t, a in zip(inputs, (x_np, cos_np, sin_np)):
             write_into(t, a)
+        fn = self._jits.get(shape)
+        if new_shape := fn is None:
+            fn = partial(self._graph, shape)
+            if self._use_jit:
+                fn = self._jits[shape] = self._capture(shape, inputs, binds)
         replay = self._replays.get(shape)
         if replay is not None:
             result = replay({v.expr: val for v, val in (b.unbind() for b in binds)})
@@ -408,19 +409,40 @@ class Stage:
         self.reset()
         return WarmupResult((time.perf_counter() - t0) * 1000, len(self._jits) - before)
 
-    def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
-        """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""
-        N, runs, n_picks = shape
+    def _capture(self, shape, inputs: tuple[Tensor, Tensor, Tensor], binds: list[UOp]) -> TinyJit:
+        """The jit of a new step shape. One layer of each kind is captured and its kernels serve every layer
+        (engine/shared_layers.py: the warmup of a shape schedules 1 layer instead of 30, same kernels and bits); a
+        step it cannot share is captured whole. The whole capture happens on the jit's first call (`cnt = 1`): the
+        inputs and weights are realized before it, so there are no one-time kernels to leave out."""
+        if self.share_layers:
+            try:
+                return capture_shared(self._blocks, partial(self._layer, shape),
+                                      partial(self._head_rows, shape) if self.last else None, inputs, binds)
+            except NotShareable:
+                _release_freed_memory()
+        fn = TinyJit(partial(self._graph, shape))
+        fn.cnt = 1
+        return fn
+
+    def _layer(self, shape, block: Block, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
+        """One layer of the step for one shape of columns."""
+        N, runs, _ = shape
         k = len(runs)
         groups = [Group(col, n, binds[i], binds[k + i]) for i, (col, n) in enumerate(runs)]
-        cos, sin = cos.reshape(N, 1, -1), sin.reshape(N, 1, -1)
-        for b in self._blocks:
-            x = b(x, cos, sin, groups)
-        if not self.last:
-            return x
+        return block(x, cos.reshape(N, 1, -1), sin.reshape(N, 1, -1), groups)
+
+    def _head_rows(self, shape, x: Tensor, *binds: UOp) -> Tensor:
+        """The last stage's head over the rows that want logits: every row, or the rows bound to pick<j>."""
+        _, runs, n_picks = shape
         if n_picks == -1:
             rows = x
         else:
-            picks = binds[2 * k:]
+            picks = binds[2 * len(runs):]
             rows = x[picks[0]:picks[0] + 1] if n_picks == 1 else Tensor.cat(*[x[v:v + 1] for v in picks])
         return self._head(rows)  # (M, vocab) float32
+
+    def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
+        """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""
+        for b in self._blocks:
+            x = self._layer(shape, b, x, cos, sin, *binds)
+        return self._head_rows(shape, x, *binds) if self.last else x

@@ -1,0 +1,98 @@
+"""Compiling a stage's step shapes: one captured layer reused for every layer (engine/shared_layers.py) against the
+whole-step capture, bit for bit; what the reuse refuses; clearing slots without kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Tensor
+
+from engine.shared_layers import NotShareable, block_kind, block_tensors, capture_shared
+from engine.stage import Column, Stage
+from tests.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("warm") / "tiny.gguf", arch="qwen3", n_layers=4, seed=3)
+
+
+def chain(stages, cols):
+    h = None
+    for s in stages:
+        h = s.step_logits(cols, h) if s.last else s.step(cols, h)
+    return h
+
+
+def session(path, cuts, share):
+    stages = [Stage.load(path, a, b, n_slots=2, max_context=64) for a, b in zip(cuts, cuts[1:])]
+    for s in stages:
+        s.share_layers = share
+    out = [chain(stages, [Column(i, 0, True, t) for i, t in enumerate([3, 17, 42, 7, 99])]),  # a chunk of 16
+           chain(stages, [Column(5, 0, True, 11)]),  # decode
+           chain(stages, [Column(0, 1, True, 12), Column(6, 0, True, 13)]),  # two sequences
+           chain(stages, [Column(i, 1, i == 19, 9) for i in range(1, 20)])]  # 16 + 3 of 16, one logits row
+    return out, stages
+
+
+@pytest.mark.parametrize("cuts", [[0, 4], [0, 1, 3, 4]])
+def test_shared_layers_equal_the_whole_capture_bitwise(model, cuts):
+    whole, ws = session(model, [0, 4], share=False)
+    shared, ss = session(model, cuts, share=True)
+    assert all(j.fxn is not None for j in ws[0]._jits.values())  # the whole step captured by TinyJit
+    assert all(j.fxn is None for s in ss for j in s._jits.values())  # assembled from one layer per shape
+    for a, b in zip(whole, shared):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_block_kind_tells_layers_apart(model):
+    s = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+    b = s._blocks
+    assert len({block_kind(x) for x in b}) == 1
+    names = [t.shape for t in block_tensors(b[0])]
+    assert (1, 2, 32, 16) in names  # the KV caches are inputs of the captured layer: every layer writes its own
+    b[1].sliding_window = 8  # an attribute a layer kind could add
+    assert block_kind(b[1]) != block_kind(b[0])
+
+
+def test_a_layer_reading_a_tensor_it_does_not_hold_is_not_shared():
+    class Layer:
+        def __init__(self):
+            self.w = Tensor.ones(8).contiguous().realize()
+
+    hidden = Tensor.full((8,), 2.0).contiguous().realize()  # held outside the layer: would stay layer 0's
+    x, cos, sin = (Tensor.zeros(n).contiguous().realize() for n in (8, 2, 2))
+    with pytest.raises(NotShareable, match="not one of its inputs"):
+        capture_shared([Layer(), Layer()], lambda blk, x_, c, s_: (x_ + blk.w * hidden).contiguous(), None,
+                       (x, cos, sin), [])
+
+    def layer(blk, x_, c, s_):  # two kernels: the one writing the output reads no x (as a transformer block's)
+        return ((x_ + blk.w).contiguous().realize() * 2).contiguous()
+    ok = capture_shared([Layer(), Layer()], layer, None, (x, cos, sin), [])
+    x.assign(Tensor.full((8,), 1.0)).realize()
+    assert ok(x, cos, sin).tolist() == [10.0] * 8  # (1 + 1) * 2, then (4 + 1) * 2: chained through the output
+
+
+def test_a_layer_overwriting_its_input_early_is_not_shared():
+    class Layer:
+        def __init__(self):
+            self.w = Tensor.ones(8).contiguous().realize()
+
+    x, cos, sin = (Tensor.zeros(n).contiguous().realize() for n in (8, 2, 2))
+
+    def layer(blk, x_, c, s_):  # reads x after its output is written: x and the output cannot be one buffer
+        y = (x_ * 2).contiguous().realize()
+        return (y + x_ + blk.w).contiguous()
+    with pytest.raises(NotShareable):
+        capture_shared([Layer(), Layer()], layer, None, (x, cos, sin), [])
+
+
+def test_zero_slot_clears_only_that_slot_without_kernels(model):
+    s = Stage.load(model, 0, 4, n_slots=2, max_context=32)
+    s.step([Column(i, slot, False, 5) for slot in (0,) for i in range(3)])
+    s.step([Column(i, 1, False, 6) for i in range(3)])
+    c = s._blocks[2].cache_k
+    assert np.abs(c.numpy()[0]).sum() > 0 and np.abs(c.numpy()[1]).sum() > 0
+    s.zero_slot(0)
+    assert np.abs(c.numpy()[0]).sum() == 0 and np.abs(c.numpy()[1]).sum() > 0
+    s.reset()
+    assert np.abs(c.numpy()).sum() == 0 and s.slot_length(1) == 0
