@@ -19,6 +19,8 @@ from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      free_device_cache, load_fused, load_weight, tensor_info, write_into)
 from .model import Block, Group, Head, rope_tables
+from .program_cache import cache_path, load_programs, save_programs
+from .program_cache import enabled as program_cache_enabled
 from .replay import CpuReplay, NotReplayable
 from .shared_layers import NotShareable, capture_shared
 from .sampling import Sampling, pick_token
@@ -134,6 +136,8 @@ class Stage:
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
         # capture one layer per shape and reuse its kernels (engine/shared_layers.py); MESH_SHARED_LAYERS=0: whole
         self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
+        self._program_file: Path | None = None  # engine/program_cache.py: set by load when the cache is on
+        self._programs_on_disk: set[tuple] = set()
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
@@ -206,8 +210,13 @@ class Stage:
             embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared)
             weight_bytes += embed.nbytes
         _release_freed_memory()
-        return cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
-                   weight_bytes=weight_bytes, use_jit=jit)
+        stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
+                    weight_bytes=weight_bytes, use_jit=jit)
+        if jit and program_cache_enabled():  # kernels compiled by an earlier process for this configuration
+            stage._program_file = cache_path(meta.fingerprint, start, end, n_slots, max_context, weights, kv_dtype,
+                                             Device.DEFAULT)
+            stage._programs_on_disk = load_programs(stage._program_file)
+        return stage
 
     # ---- KV slots
 
@@ -377,6 +386,10 @@ class Stage:
             out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
         if new_shape:       # the capture's scratch buffers now sit in the allocator's cache; the jit keeps its own
             _release_freed_memory()
+            if self._program_file is not None and self._use_jit:
+                self._programs_on_disk = save_programs(
+                    self._program_file, [j.captured.linear for j in self._jits.values() if j.captured is not None],
+                    self._programs_on_disk)
         return out
 
     def warmup(self, decode_batch: int | None = None) -> WarmupResult:

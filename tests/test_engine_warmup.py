@@ -96,3 +96,37 @@ def test_zero_slot_clears_only_that_slot_without_kernels(model):
     assert np.abs(c.numpy()[0]).sum() == 0 and np.abs(c.numpy()[1]).sum() > 0
     s.reset()
     assert np.abs(c.numpy()).sum() == 0 and s.slot_length(1) == 0
+
+
+# ---- compiled programs on disk (engine/program_cache.py)
+
+def test_programs_come_back_from_disk_and_a_corrupt_file_is_ignored(model, tmp_path, monkeypatch):
+    from tinygrad.codegen import to_program_cache
+
+    from engine import program_cache
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    first = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+    path = first._program_file
+    assert path is not None and str(path).startswith(str(tmp_path))
+    want = first.step_logits([Column(0, 0, True, 7)])
+    saved = program_cache.load_programs(path)
+    assert saved and saved == first._programs_on_disk
+    removed = {k: to_program_cache.pop(k) for k in saved}  # as in a fresh process: nothing compiled yet
+    again = Stage.load(model, 0, 4, n_slots=1, max_context=32)  # loads them back before its first capture
+    assert all(k in to_program_cache for k in removed)
+    n = len(to_program_cache)
+    assert np.array_equal(again.step_logits([Column(0, 0, True, 7)]), want)
+    assert len(to_program_cache) == n  # the capture compiled nothing new
+
+    blob = bytearray(path.read_bytes())
+    blob[-10] ^= 0xFF  # a flipped bit: the checksum fails, the file is not unpickled
+    path.write_bytes(bytes(blob))
+    assert program_cache.load_programs(path) == set()
+    path.write_bytes(b"garbage")
+    assert program_cache.load_programs(path) == set()
+    for k in removed:
+        to_program_cache.pop(k, None)
+    third = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+    assert third._programs_on_disk == set()
+    assert np.array_equal(third.step_logits([Column(0, 0, True, 7)]), want)  # compiled again, same bits
+    assert program_cache.load_programs(path) == third._programs_on_disk != set()  # and the file rewritten

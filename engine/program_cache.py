@@ -1,0 +1,95 @@
+"""A stage's compiled kernels kept on disk, so that a cold start does not lower and render them again.
+
+tinygrad caches a kernel's machine code on disk by its C source (`CACHEDB`), but turning a kernel's AST into that
+source (`to_program`: optimization, linearization, rendering) runs in every new process: ~0.3-0.5 s a kernel for
+the engine's matvecs, ~25 unique kernels for SmolLM2's decode and prefill shapes, most of a cold warmup once the
+layers share one capture (engine/shared_layers.py). Here the programs a stage's jits use (each a PROGRAM UOp with
+its source and binary, tinygrad's own `to_program_cache` entries) are pickled to one file per stage configuration
+and put back into that cache before the next capture, which then finds them as if compiled in this process.
+
+Trust: a file is used only if its magic, format, tinygrad version and sha256 of the payload all match; an entry
+only if it is a (key, PROGRAM with a binary) pair. Anything else is ignored, and the next save rewrites the file.
+An entry's key is tinygrad's own: the kernel AST's content hash, the renderer and the codegen settings, so a
+changed kernel is a miss, never a wrong hit. Pickles run code when loaded: the directory is the user's own cache,
+trusted as tinygrad trusts its `CACHEDB` (which holds pickles too). MESH_PROGRAM_CACHE=0 turns it off;
+MESH_CACHE_DIR moves it (default ~/.cache/mesh).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+from tinygrad.codegen import to_program_cache
+from tinygrad.uop.ops import Ops, UOp
+
+__all__ = ["cache_path", "load_programs", "save_programs"]
+
+MAGIC = b"meshprg1"
+_VERSION = importlib.metadata.version("tinygrad")
+
+
+def enabled() -> bool:
+    return os.environ.get("MESH_PROGRAM_CACHE", "1") != "0"
+
+
+def cache_path(*identity) -> Path:
+    """The file for one stage configuration: model fingerprint, layer range, slots, context, dtypes, device..."""
+    root = Path(os.environ.get("MESH_CACHE_DIR") or Path.home() / ".cache" / "mesh")
+    name = hashlib.sha256(repr((_VERSION, *identity)).encode()).hexdigest()[:32]
+    return root / "programs" / f"{name}.bin"
+
+
+def _valid(key, prg) -> bool:
+    return isinstance(key, tuple) and len(key) > 2 and isinstance(key[0], bytes) and isinstance(prg, UOp) and \
+        prg.op is Ops.PROGRAM and prg.src[-1].op is Ops.BINARY
+
+
+def load_programs(path: Path) -> set[tuple]:
+    """Put the file's programs into tinygrad's program cache; returns the keys it held. A missing, corrupt or
+    stale file is ignored (no keys)."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return set()
+    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body := blob[len(MAGIC) + 32:]).digest() != \
+            blob[len(MAGIC):len(MAGIC) + 32]:
+        return set()
+    try:
+        data = pickle.loads(body)
+        if data.get("tinygrad") != _VERSION:
+            return set()
+        entries = [(k, v) for k, v in data["entries"] if _valid(k, v)]
+    except Exception:  # a payload that checks but does not unpickle: a foreign or future format
+        return set()
+    for key, prg in entries:
+        to_program_cache.setdefault(key, prg)
+    return {k for k, _ in entries}
+
+
+def _programs(linear: UOp) -> set[UOp]:
+    return {u for u in linear.toposort() if u.op is Ops.PROGRAM}
+
+
+def save_programs(path: Path, linears: list[UOp], on_disk: set[tuple] = frozenset()) -> set[tuple]:
+    """Write the cache entries of every program the given captured call lists run (atomically: a reader sees the
+    old file or the new one), unless `on_disk` (the keys the file holds) has them all already. Returns the keys
+    the file holds afterwards (`on_disk` when nothing was written or writing failed)."""
+    used = set().union(*(_programs(lin) for lin in linears)) if linears else set()
+    sinks = {u.src[0] for u in used}
+    entries = [(k, v) for k, v in list(to_program_cache.items()) if (v in used or v.src[0] in sinks) and _valid(k, v)]
+    if not entries or {k for k, _ in entries} <= on_disk:
+        return on_disk
+    body = pickle.dumps({"tinygrad": _VERSION, "entries": entries}, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)
+    except OSError:
+        return on_disk
+    return {k for k, _ in entries}
