@@ -23,7 +23,6 @@ slice of x rather than gathered into one array, which would cost a select per el
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -32,8 +31,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
-from tinygrad.helpers import NUM_CPU_THREADS
 from tinygrad.uop.ops import AxisType, KernelInfo
+
+from .cpu_runner import cpu_threads
+
+from engine import quant_gemm
+from engine.matvec_gpu import gpu_matvec_kernel
 
 F32 = dtypes.float32
 # byte offsets of each type's float16 fields inside its block; the remaining bytes keep their order
@@ -187,171 +190,6 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
     return kernel
 
 
-GPU_THREADS = 1 << 16  # threads a GPU matvec aims for (H200: 132 SMs x 2048): enough loads in flight
-
-
-def _gpu_layout(G: int, nb: int, il: int, width: int) -> tuple[int, int, int]:
-    """(U, TW, P) for the GPU matvec of G groups of il rows, nb blocks a row, sub-blocks of `width` values: U rows
-    a thread (vector lanes), TW threads sharing a sub-block's values (width / TW each), P blocks side by side.
-    Default: U = il, TW = width, and the smallest P (a divisor of nb) that gives GPU_THREADS threads in all, at
-    most 512 a block. MESH_GPU_MV="U,P" (P a number or "auto") keeps TW = 1: a thread reads whole blocks;
-    "U,P,c" sets TW = width."""
-    env = os.environ.get("MESH_GPU_MV", "")
-    u, p, *mode = env.split(",") if "," in env else (il, "auto", "c")
-    u = math.gcd(int(u), il)
-    tw = width if mode == ["c"] else 1
-    per = tw * (il // u)  # threads per block read side by side
-    divs = [d for d in range(1, nb + 1) if nb % d == 0 and d * per <= (512 if tw > 1 else 1024)] or [1]
-    if p == "auto":
-        return u, tw, next((d for d in divs if G * d * per >= GPU_THREADS), divs[-1])
-    return u, tw, max(d for d in divs if d <= int(p))
-
-
-def _gpu_matvec_kernel(name: str, spec: BlockSpec, fused: Fused):
-    """The matvec on a GPU: a thread block per group of IL rows. Inside it, P blocks of a row are read side by side
-    (blocks p, p + P, ...), TW threads share each sub-block's values (thread jt takes values jt * J ... of every
-    sub-block, J = width / TW: with TW = width, a warp reads 32 consecutive 16-byte rows of quants and 32
-    consecutive x), and IL / U threads split the rows, each holding U rows as vector lanes (U bytes of a block,
-    adjacent in memory, are one load). The partial sums of a row meet in shared memory, where the first IL threads
-    add them up. A fused RMS norm is applied after that sum: the dot product is taken with x * norm_weight and
-    scaled by 1/rms once; each thread adds the squares of just the x it reads."""
-    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
-        G, nb, _, il = halfs.shape
-        W = spec.width
-        N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
-        U, TW, P = _gpu_layout(G, nb, il, W)
-        L, J = il // U, W // TW
-        norm_w = extra[0] if fused.norm is not None else None
-        res = extra[-1] if fused.residual else None
-        g = UOp.range(G, 0, AxisType.GLOBAL)
-        zero = UOp.const(0, g.dtype)
-        # LOCAL ranges in order of speed: jt is threadIdx.x, so a warp's loads are adjacent in memory
-        jt = UOp.range(TW, 1, AxisType.LOCAL) if TW > 1 else zero
-        p = UOp.range(P, 2, AxisType.LOCAL) if P > 1 else zero
-        lt = UOp.range(L, 6, AxisType.LOCAL) if L > 1 else zero
-        # a thread's U lanes: U // 4 words of 4 bytes (w) when U is a multiple of 4, byte e of each
-        w = UOp.range(U // 4, 3, AxisType.UPCAST) if U >= 8 else zero
-        e = UOp.range(min(U, 4), 7, AxisType.UPCAST) if U > 1 else zero
-        u = w * 4 + e if U >= 8 else e
-        lane = lt * U + u if L > 1 else u
-        n = UOp.range(N, 4)
-        threads = tuple(r for r in (jt, p, lt) if r is not zero)
-        outer = (n, g, *threads)
-        S = P * TW  # partial sums of each row
-        sidx = p * TW + jt if TW > 1 else p
-
-        def xv(idx: UOp) -> UOp:
-            if fused.glu:
-                gate = x[n, idx]
-                return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
-            return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
-
-        bi = UOp.range(nb // P, 5, AxisType.REDUCE)
-        b = bi * P + p if P > 1 else bi
-        if rest.dtype == dtypes.uint32:  # 4 lanes' bytes as one word: tinygrad widens loads of words, not of bytes
-            wi = lt * (U // 4) + w if L > 1 else w
-            byte = lambda k: ((rest[g, b, k, wi] >> (e * 8).cast(dtypes.uint32)) & 255).cast(dtypes.int)
-        else:
-            byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
-        half = lambda i: halfs[g, b, i, lane].cast(F32)
-        acc = UOp.placeholder((U,), F32, 0, addrspace=AddrSpace.REG)
-        acc = acc.after(*outer)[u].set(0.0)
-        if norm_w is not None:  # the squares of this thread's x: its blocks, its values of each sub-block
-            ss = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
-            bj, c = UOp.range(nb // P, 8, AxisType.REDUCE), UOp.range(E // TW, 9, AxisType.REDUCE)
-            xi = ((bj * P + p) * E + (c // J) * W + jt * J + c % J) if TW > 1 else (bj * P + p) * E + c
-            ss = ss.after(*outer)[0].set(0.0)
-            ss = ss[0].set(ss.after(bj, c)[0] + x[n, xi] * x[n, xi], end=(c, bj))
-        term = None
-        for si in range(spec.sub):
-            rid = 10 + 2 * si
-            base = b * E + si * W
-            if J == 1:  # one value of the sub-block: scaled as it is
-                part = spec.q(byte, si, jt).cast(F32) * xv(base + jt) * spec.scale(byte, half, si)
-                if spec.offset is not None:
-                    part = part + xv(base + jt) * spec.offset(byte, half, si)
-            else:
-                j, j2 = UOp.range(J, rid, AxisType.REDUCE), UOp.range(J, rid + 1, AxisType.REDUCE)
-                jj, jj2 = (jt * J + j, jt * J + j2) if TW > 1 else (j, j2)
-                dot = UOp.placeholder((U,), F32, 2 + 2 * si, addrspace=AddrSpace.REG)
-                dot = dot.after(*outer, bi)[u].set(0.0)
-                dot = dot[u].set(dot.after(j)[u] + spec.q(byte, si, jj).cast(F32) * xv(base + jj), end=j)
-                part = dot[u] * spec.scale(byte, half, si)
-                if spec.offset is not None:
-                    xs = UOp.placeholder((1,), F32, 3 + 2 * si, addrspace=AddrSpace.REG)
-                    xs = xs.after(*outer, bi)[0].set(0.0)
-                    xs = xs[0].set(xs.after(j2)[0] + xv(base + jj2), end=j2)
-                    part = part + xs[0] * spec.offset(byte, half, si)
-            term = part if term is None else term + part
-        acc = acc[u].set(acc.after(bi)[u] + term, end=bi)
-        # the S partial sums of each row, and of the squares, through shared memory
-        smem = UOp.placeholder((S * il,), F32, 100, addrspace=AddrSpace.LOCAL)
-        parts = smem[sidx * il + lane].store(acc[u]).end(*[v for v in (w, e) if v is not zero])
-        if norm_w is not None:
-            ssm = UOp.placeholder((S,), F32, 101, addrspace=AddrSpace.LOCAL)
-            parts = UOp.group(parts, ssm[sidx].store(ss[0]))
-        t, T = (sidx * L + lt, S * L) if L > 1 else (sidx, S)
-        if T % il == 0 and T > il:
-            # two rounds: thread t sums the U partials (q + Q i) * il + t % il, q = t // il, Q = T / il; then the
-            # first il threads sum the Q of their row. Chains of U + Q adds instead of S = U Q
-            Q = T // il
-            rA, qA = t % il, t // il
-            sa = UOp.placeholder((1,), F32, 70, addrspace=AddrSpace.REG)
-            i1 = UOp.range(U, 71, AxisType.REDUCE)
-            sa = sa.after(*outer, parts)[0].set(0.0)
-            sa = sa[0].set(sa.after(i1)[0] + smem.after(parts)[(qA + i1 * Q) * il + rA], end=i1)
-            smem2 = UOp.placeholder((T,), F32, 102, addrspace=AddrSpace.LOCAL)
-            parts2 = smem2[t].store(sa[0])
-            if norm_w is not None:
-                sb = UOp.placeholder((1,), F32, 72, addrspace=AddrSpace.REG)
-                i2 = UOp.range(U, 73, AxisType.REDUCE)
-                sb = sb.after(*outer, parts)[0].set(0.0)
-                sb = sb[0].set(sb.after(i2)[0] + ssm.after(parts)[qA + i2 * Q], end=i2)
-                ssm2 = UOp.placeholder((T,), F32, 103, addrspace=AddrSpace.LOCAL)
-                parts2 = UOp.group(parts2, ssm2[t].store(sb[0]))
-            ok = t < il
-            r = ok.where(t, 0)
-            fin = outer
-            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-            s2 = UOp.range(Q, 61, AxisType.REDUCE)
-            tot = tot.after(*fin, parts2)[0].set(0.0)
-            tot = tot[0].set(tot.after(s2)[0] + smem2.after(parts2)[s2 * il + r], end=s2)
-            y, K = tot[0], 1
-            if norm_w is not None:
-                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
-                s3 = UOp.range(Q, 63, AxisType.REDUCE)
-                sq = sq.after(*fin, parts2)[0].set(0.0)
-                sq = sq[0].set(sq.after(s3)[0] + ssm2.after(parts2)[s3 * il], end=s3)
-                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
-        else:  # thread t finishes rows t, t + T, ..., each the sum of its S partials
-            K = -(-il // T)
-            kk = UOp.range(K, 64) if K > 1 else zero
-            fin = (*outer, kk) if K > 1 else outer
-            r = kk * T + t if K > 1 else t
-            ok = r < il
-            r = ok.where(r, 0)
-            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-            s2 = UOp.range(S, 61, AxisType.REDUCE)
-            tot = tot.after(*fin, parts)[0].set(0.0)
-            tot = tot[0].set(tot.after(s2)[0] + smem.after(parts)[s2 * il + r], end=s2)
-            y = tot[0]
-            if norm_w is not None:
-                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
-                s3 = UOp.range(S, 63, AxisType.REDUCE)
-                sq = sq.after(*fin, parts)[0].set(0.0)
-                sq = sq[0].set(sq.after(s3)[0] + ssm.after(parts)[s3], end=s3)
-                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
-        row = g * il + r
-        if res is not None:
-            y = y + res[n, row]
-        store = out[n, row.valid(ok)].store(y)
-        if K > 1:
-            store = store.end(kk)
-        return store.end(n, g, *threads).sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}_u{U}t{TW}p{P}",
-                                                             opts_to_apply=()))
-    return kernel
-
-
 INTERLEAVE = 16  # rows side by side: IL bytes and IL scales per load, IL independent accumulators
 
 
@@ -411,13 +249,15 @@ class QuantWeight:
         `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
-        threads = next(t for t in range(min(NUM_CPU_THREADS.value, G), 0, -1) if G % t == 0)
+        threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
+        if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once
+            return quant_gemm.gemm_t(self.rest, self.halfs, SPECS[self.ggml_type], Q(self.ggml_type).name.lower(),
+                                     self.shape[0], threads, x, norm=norm, glu=glu, residual=residual)
         fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         rest = self.rest
         if gpu and os.environ.get("MESH_GPU_MV") != "naive":  # "naive": a thread per row (below), kept for A/B runs
-            kernel = _gpu_matvec_kernel(Q(self.ggml_type).name.lower(), SPECS[self.ggml_type], fused)
-            if _gpu_layout(G, self.rest.shape[1], self.il, SPECS[self.ggml_type].width)[0] % 4 == 0 and \
-                    rest.uop.is_realized:
+            kernel = gpu_matvec_kernel(Q(self.ggml_type).name.lower(), self.ggml_type, SPECS[self.ggml_type], fused)
+            if self.il % 4 == 0 and rest.uop.is_realized:
                 rest = _words(rest)
         else:
             kernel = _matvec_kernel(Q(self.ggml_type).name.lower(), SPECS[self.ggml_type], threads, gpu, fused)

@@ -1,0 +1,216 @@
+"""The resident-block matvec on a GPU (CUDA, METAL), written in UOps: y = x @ W.T with W in the split, interleaved
+GGUF layout of engine/quant.py (bytes (G, blocks, rest, IL) read as uint32 words of 4 rows, halfs (G, blocks, n, IL)).
+
+Why it looks the way it does (a decode step streams every weight once, so a matvec should run at memory speed; the
+H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
+- A thread block per group of IL = 16 rows. Each thread holds the 16 rows as lanes: a 16-byte load brings the same
+  byte of one block for all of them, and 16 independent accumulators take the products.
+- TW threads share a block's values, thread jt taking values jt, jt + TW, ... (J = width / TW of each sub-block):
+  every load instruction of a warp reads whole 32-byte sectors, and a thread sums J products of a sub-block before
+  it scales them once (the old kernel scaled every product, and converted a half for each). The J loads are
+  unrolled here in Python, so they are all in flight before the first is used.
+- Quants become floats by the exponent trick, not by int->float conversions (a quarter of the FMA rate on Hopper,
+  and Q8_0 has one per byte): a quant q in 0..2^22 OR'ed into the mantissa of 2^23 reads as the float 2^23 + q,
+  exactly, and one subtraction leaves q (or q - z: Q8_0's signed bytes are flipped to q + 128 by one XOR, Q4_0's
+  -8 and Q5_0's -16 go into the subtracted constant). Same values as a conversion, bit for bit.
+- Sub-blocks that share their scale and offset (Q4_0, Q4_1, Q5_0, Q5_1: the two nibble planes) are summed before
+  the one scaling.
+- P blocks of a row side by side (blocks p, p + P, ...): TW * P threads a block; their partial sums meet in shared
+  memory in two rounds. A fused RMS norm's 1/rms is applied after the sum, each thread summing the squares of the
+  x it reads.
+`MESH_GPU_MV="TW,THREADS"` overrides the layout for A/B runs (THREADS: the most threads a block; "naive" selects the
+thread-per-row kernel in engine/quant.py).
+"""
+from __future__ import annotations
+
+import os
+
+from gguf import GGMLQuantizationType as Q
+from tinygrad import UOp, dtypes
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import AxisType, KernelInfo
+
+F32, U32 = dtypes.float32, dtypes.uint32
+LOG2E = 1.4426950408889634
+MAGIC = 0x4B000000  # the bits of 2^23: OR'ed with an integer below 2^23 the float reads 2^23 + that integer
+LOADS = 8  # values of each sub-block a thread reads (loads in flight per sub-block)
+THREADS = 256  # the most threads of a block
+
+
+def _float(q: UOp, minus: int = 0) -> UOp:
+    """q - minus as a float32, q a uint32 in [0, 2^23): no conversion instruction."""
+    return (q | MAGIC).bitcast(F32) - float((1 << 23) + minus)
+
+
+def _float_signed(q: UOp) -> UOp:
+    """Any small int32 value q (|q| < 2^22) as a float32, through 1.5 * 2^23 (the type's generic quant)."""
+    return (q + 0x4B400000).cast(U32).bitcast(F32) - 12582912.0
+
+
+# quant of value j of sub-block s as a float, for the types whose generic form (int, then converted) costs more:
+# Q8_0's int8 as unsigned byte ^ 0x80 = q + 128; Q4_0/Q5_0's offsets folded into the subtraction (their offset
+# then needs no sum of x)
+def _nib(byte: UOp, high: int) -> UOp:
+    return (byte >> (high * 4)) & 15
+
+
+def _fifth(qh, k: UOp) -> UOp:
+    return ((qh(k >> 3) >> (k & 7).cast(U32)) & 1) << 4
+
+
+FAST = {  # ggml type -> (quant as float, offsets folded)
+    Q.Q8_0: lambda b, s, j: _float(b(j) ^ 0x80, 128),
+    Q.Q4_0: lambda b, s, j: _float(_nib(b(j), s), 8),
+    Q.Q5_0: lambda b, s, j: _float(_nib(b(4 + j), s) | _fifth(b, s * 16 + j), 16),
+}
+
+
+def gpu_layout(nb: int, width: int) -> tuple[int, int]:
+    """(TW, P): TW threads share each sub-block's `width` values, P blocks side by side (a divisor of nb), at most
+    THREADS threads a block. MESH_GPU_MV="TW,THREADS" overrides both numbers."""
+    env = os.environ.get("MESH_GPU_MV", "")
+    tw, most = (int(v) for v in env.split(",")[:2]) if "," in env else (max(1, width // LOADS), THREADS)
+    tw = max(d for d in range(1, width + 1) if width % d == 0 and d <= tw)
+    return tw, max(d for d in range(1, nb + 1) if nb % d == 0 and d * tw <= most)
+
+
+def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
+    """The kernel for custom_kernel(out (N, rows) f32, rest, halfs, x (N, cols or 2 cols with glu) f32, [norm
+    weight], [residual]); `spec` is engine.quant's BlockSpec of the type, `fused` its Fused."""
+    fast = FAST.get(ggml_type)
+
+    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
+        G, nb, _, il = halfs.shape
+        W = spec.width
+        N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
+        TW, P = gpu_layout(nb, W)
+        J = W // TW
+        norm_w = extra[0] if fused.norm is not None else None
+        res = extra[-1] if fused.residual else None
+        g = UOp.range(G, 0, AxisType.GLOBAL)
+        zero = UOp.const(0, g.dtype)
+        # jt is threadIdx.x: the TW threads of a block read adjacent 16-byte pieces
+        jt = UOp.range(TW, 1, AxisType.LOCAL) if TW > 1 else zero
+        p = UOp.range(P, 2, AxisType.LOCAL) if P > 1 else zero
+        # a thread's il lanes: il // 4 words of 4 bytes (w), byte e of each; one vector load when il >= 8
+        words = il % 4 == 0 and rest.dtype == U32
+        w = UOp.range(il // 4, 3, AxisType.UPCAST) if words and il >= 8 else zero
+        e = UOp.range(min(il, 4), 7, AxisType.UPCAST) if il > 1 else zero
+        u = w * 4 + e if words and il >= 8 else e
+        n = UOp.range(N, 4)
+        threads = tuple(r for r in (jt, p) if r is not zero)
+        outer = (n, g, *threads)
+        S = P * TW  # partial sums of each row
+        t = p * TW + jt if TW > 1 else p
+
+        def xv(idx: UOp) -> UOp:
+            if fused.glu:
+                gate = x[n, idx]
+                return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
+            return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
+
+        bi = UOp.range(nb // P, 5, AxisType.REDUCE)
+        b = bi * P + p if P > 1 else bi
+        if words:
+            byte = lambda k: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
+        else:
+            byte = lambda k: rest[g, b, k, u].cast(U32)
+        half = lambda i: halfs[g, b, i, u].cast(F32)
+        acc = UOp.placeholder((il,), F32, 0, addrspace=AddrSpace.REG)
+        acc = acc.after(*outer)[u].set(0.0)
+        if norm_w is not None:  # the squares of the x this thread reads: values jt, jt + TW, ... of its blocks
+            ss = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
+            bj, c = UOp.range(nb // P, 8, AxisType.REDUCE), UOp.range(E // TW, 9, AxisType.REDUCE)
+            xi = ((bj * P + p) if P > 1 else bj) * E + c * TW + jt
+            ss = ss.after(*outer)[0].set(0.0)
+            ss = ss[0].set(ss.after(bj, c)[0] + x[n, xi] * x[n, xi], end=(c, bj))
+        # per sub-block: J products summed, then the scale (and offset: times the sum of the x read); sub-blocks of
+        # one (scale, offset) are summed first
+        groups: dict[tuple, list] = {}
+        for si in range(spec.sub):
+            base = b * E + si * W
+            dot, xs = None, None
+            for jv in range(J):
+                jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
+                xj = xv(base + jj)
+                q = fast(byte, si, jj) if fast is not None else _float_signed(spec.q(lambda k: byte(k).cast(dtypes.int), si, jj))
+                dot = q * xj if dot is None else dot + q * xj
+                xs = xj if xs is None else xs + xj
+            bint = lambda k: byte(k).cast(dtypes.int)
+            scale = spec.scale(bint, half, si)
+            offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
+            key = (scale, offset)
+            if key in groups:
+                groups[key][0] = groups[key][0] + dot
+                groups[key][1] = groups[key][1] + xs
+            else:
+                groups[key] = [dot, xs]
+        term = None
+        for (scale, offset), (dot, xs) in groups.items():
+            part = dot * scale if offset is None else dot * scale + xs * offset
+            term = part if term is None else term + part
+        acc = acc[u].set(acc.after(bi)[u] + term, end=bi)
+        # the S partial sums of each row (and of the squares) through shared memory, added in two rounds
+        smem = UOp.placeholder((S * il,), F32, 100, addrspace=AddrSpace.LOCAL)
+        parts = smem[t * il + u].store(acc[u]).end(*[v for v in (w, e) if v is not zero])
+        if norm_w is not None:
+            ssm = UOp.placeholder((S,), F32, 101, addrspace=AddrSpace.LOCAL)
+            parts = UOp.group(parts, ssm[t].store(ss[0]))
+        if S % il == 0 and S > il:
+            # round 1: thread t sums the il partials (q + Q i) * il + t % il (q = t // il, Q = S / il) of row t % il;
+            # round 2: the first il threads sum the Q of their row. Chains of il + Q adds instead of S
+            Qn = S // il
+            rA, qA = t % il, t // il
+            sa = UOp.placeholder((1,), F32, 70, addrspace=AddrSpace.REG)
+            i1 = UOp.range(il, 71, AxisType.REDUCE)
+            sa = sa.after(*outer, parts)[0].set(0.0)
+            sa = sa[0].set(sa.after(i1)[0] + smem.after(parts)[(qA + i1 * Qn) * il + rA], end=i1)
+            smem2 = UOp.placeholder((S,), F32, 102, addrspace=AddrSpace.LOCAL)
+            parts2 = smem2[t].store(sa[0])
+            if norm_w is not None:
+                sb = UOp.placeholder((1,), F32, 72, addrspace=AddrSpace.REG)
+                i2 = UOp.range(il, 73, AxisType.REDUCE)
+                sb = sb.after(*outer, parts)[0].set(0.0)
+                sb = sb[0].set(sb.after(i2)[0] + ssm.after(parts)[qA + i2 * Qn], end=i2)
+                ssm2 = UOp.placeholder((S,), F32, 103, addrspace=AddrSpace.LOCAL)
+                parts2 = UOp.group(parts2, ssm2[t].store(sb[0]))
+            ok = t < il
+            r = ok.where(t, 0)
+            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+            s2 = UOp.range(Qn, 61, AxisType.REDUCE)
+            tot = tot.after(*outer, parts2)[0].set(0.0)
+            tot = tot[0].set(tot.after(s2)[0] + smem2.after(parts2)[s2 * il + r], end=s2)
+            y, K = tot[0], 1
+            if norm_w is not None:
+                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
+                s3 = UOp.range(Qn, 63, AxisType.REDUCE)
+                sq = sq.after(*outer, parts2)[0].set(0.0)
+                sq = sq[0].set(sq.after(s3)[0] + ssm2.after(parts2)[s3 * il], end=s3)
+                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+        else:  # few threads: thread t finishes rows t, t + S, ..., each the sum of its S partials
+            K = -(-il // S)
+            kk = UOp.range(K, 64) if K > 1 else zero
+            fin = (*outer, kk) if K > 1 else outer
+            r = kk * S + t if K > 1 else t
+            ok = r < il
+            r = ok.where(r, 0)
+            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+            s2 = UOp.range(S, 61, AxisType.REDUCE)
+            tot = tot.after(*fin, parts)[0].set(0.0)
+            tot = tot[0].set(tot.after(s2)[0] + smem.after(parts)[s2 * il + r], end=s2)
+            y = tot[0]
+            if norm_w is not None:
+                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
+                s3 = UOp.range(S, 63, AxisType.REDUCE)
+                sq = sq.after(*fin, parts)[0].set(0.0)
+                sq = sq[0].set(sq.after(s3)[0] + ssm.after(parts)[s3], end=s3)
+                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+        row = g * il + r
+        if res is not None:
+            y = y + res[n, row]
+        store = out[n, row.valid(ok)].store(y)
+        if K > 1:
+            store = store.end(kk)
+        return store.end(n, g, *threads).sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}_t{TW}p{P}",
+                                                             opts_to_apply=()))
+    return kernel

@@ -1,0 +1,59 @@
+"""The GPU matvec (engine/matvec_gpu.py) on tinygrad's PYTHON device, which runs a GPU kernel as a GPU would: thread
+blocks, shared memory and barriers. Every fused variant against float64 numpy on gguf's dequantized weights."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from tinygrad import Tensor
+
+from engine.matvec_gpu import gpu_layout
+from engine.quant import QuantWeight, interleave_for, repack
+from tests.test_engine_quant import blocks_of
+
+DEV = "PYTHON"
+
+
+def check(qtype: str, rows: int, cols: int, n: int, mode: str) -> None:
+    raw = blocks_of(qtype, rows, cols)
+    w_np = dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
+    rest, halfs = repack(raw, Q[qtype], interleave_for(rows))
+    w = QuantWeight(Tensor(rest, device=DEV).realize(), Tensor(halfs, device=DEV).realize(), (rows, cols), Q[qtype])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, cols * (2 if mode == "glu" else 1))).astype(np.float32)
+    xin, kw = x.astype(np.float64), {}
+    if mode == "norm":
+        nw = rng.standard_normal(cols).astype(np.float32)
+        kw["norm"] = (Tensor(nw, device=DEV), 1e-5)
+        xin = xin / np.sqrt((xin ** 2).mean(-1, keepdims=True) + 1e-5) * nw
+    if mode == "glu":
+        kw["glu"] = True
+        xin = xin[:, :cols] / (1 + np.exp(-xin[:, :cols])) * xin[:, cols:]
+    want = xin @ w_np.T
+    if mode == "residual":
+        r = rng.standard_normal((n, rows)).astype(np.float32)
+        kw["residual"] = Tensor(r, device=DEV)
+        want = want + r
+    got = w.matmul_t(Tensor(x, device=DEV), **kw).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype,rows,cols,n,mode", [
+    ("Q8_0", 48, 256, 1, "plain"), ("Q8_0", 32, 512, 2, "norm"), ("Q4_0", 48, 512, 1, "residual"),
+    ("Q4_0", 24, 256, 2, "glu"), ("Q4_1", 48, 256, 1, "norm"), ("Q5_0", 32, 256, 1, "plain")])
+def test_gpu_matvec_on_the_python_device(qtype, rows, cols, n, mode):
+    check(qtype, rows, cols, n, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gpu_matvec_other_types_on_the_python_device(qtype):  # 20-60 s each: the K-quants decode many scales
+    check(qtype, 48, 256, 1, "plain")
+
+
+def test_gpu_layout_divides_the_blocks(monkeypatch):
+    monkeypatch.delenv("MESH_GPU_MV", raising=False)
+    assert gpu_layout(128, 32) == (4, 64)  # Q8_0, 4096 columns: 8 values of a block a thread, 256 threads
+    assert gpu_layout(448, 16) == (2, 112)  # Q4_0, 14336 columns
+    assert gpu_layout(7, 32) == (4, 7)  # a prime number of blocks: all side by side
+    monkeypatch.setenv("MESH_GPU_MV", "8,128")
+    assert gpu_layout(128, 32) == (8, 16)
