@@ -1,0 +1,99 @@
+"""The flat CPU replay (engine/replay.py) and its runner (engine/cpu_runner.py): a captured step's kernels, their
+core slices claimed by several threads, give bit-identical results to tinygrad's own TinyJit replay; a step the
+replay does not take keeps the jit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, TinyJit
+
+from engine import cpu_runner, stage as stage_mod
+from engine.cpu_runner import cpu_threads
+from engine.replay import CpuReplay, NotReplayable
+from engine.stage import Column, Stage
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not Device.DEFAULT.startswith("CPU"), reason="the replay is for the CPU device")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("replay") / "llama.gguf", arch="llama", n_layers=3, qtype="Q4_1")
+
+
+def decode(stage: Stage, prompt: list[int], n: int) -> list[np.ndarray]:
+    """Logits of a prompt (chunked prefill) and of n greedy decode steps."""
+    out = [stage.step_logits([Column(i, 0, True, t) for i, t in enumerate(prompt)]).copy()]
+    for i in range(n):
+        tok = int(np.argmax(out[-1][-1]))
+        out.append(stage.step_logits([Column(len(prompt) + i, 0, True, tok)]).copy())
+    return out
+
+
+class Refused:
+    def __init__(self, *args, **kwargs):
+        raise NotReplayable("refused by the test")
+
+
+def test_threads_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("MESH_CPU_THREADS", "3")
+    assert cpu_threads() == 3
+    monkeypatch.delenv("MESH_CPU_THREADS")
+    from tinygrad.helpers import NUM_CPU_THREADS
+    assert cpu_threads() == NUM_CPU_THREADS.value
+
+
+def test_threaded_replay_is_bitwise_the_jit_and_refusal_keeps_the_jit(model, monkeypatch):
+    monkeypatch.setenv("MESH_CPU_THREADS", "2")  # the matvec kernels split in 2 and the replay runs 2 threads
+    replayed = Stage.load(model, 0, 3, n_slots=1, max_context=64)
+    want = decode(replayed, [3, 17, 42, 7, 99, 5, 8, 1, 2], 6)
+    replays = [r for r in replayed._replays.values() if r is not None]
+    assert replays and all(r.threads == 2 for r in replays)
+    assert any(c.slices == 2 for r in replays for c in r.calls)  # some kernels were split over the two threads
+
+    monkeypatch.setattr(stage_mod, "CpuReplay", Refused)  # the fallback: every step through TinyJit
+    jitted = Stage.load(model, 0, 3, n_slots=1, max_context=64)
+    got = decode(jitted, [3, 17, 42, 7, 99, 5, 8, 1, 2], 6)
+    assert jitted._replays and all(r is None for r in jitted._replays.values())
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_runner_matches_the_jit_with_more_or_fewer_threads_than_slices(threads):
+    """A small captured step (matmul, elementwise, reduction: kernels with and without core slices) replayed by
+    1, 2 and 3 threads (3: one thread more than any kernel has slices), many times: always the jit's bits."""
+    w = Tensor(np.random.default_rng(0).standard_normal((64, 48), dtype=np.float32)).realize()
+
+    @TinyJit
+    def f(x: Tensor) -> Tensor:
+        h = (x @ w).relu() * 0.5 + 1
+        return (h.softmax(-1) * h).sum(-1, keepdim=True) + h
+
+    x = Tensor.zeros(16, 64).contiguous().realize()
+    rng = np.random.default_rng(1)
+    f.cnt = 1  # capture on the first call (the stage does the same)
+    inputs = [rng.standard_normal((16, 64), dtype=np.float32) for _ in range(20)]
+    x.assign(Tensor(inputs[0])).realize()
+    f(x)
+    replay = CpuReplay(f, [x], threads=threads)
+    for a in inputs:
+        x.assign(Tensor(a)).realize()
+        want = f(x).numpy()
+        x.assign(Tensor(a)).realize()
+        assert np.array_equal(replay({}).numpy(), want)
+
+
+def test_a_step_runs_alone_while_the_helpers_are_busy(model, monkeypatch):
+    monkeypatch.setenv("MESH_CPU_THREADS", "2")
+    stage = Stage.load(model, 0, 3, n_slots=1, max_context=64)
+    want = decode(stage, [4, 5, 6], 3)
+    stage.reset()
+    pool = cpu_runner._pool(1)
+    with pool.lock:  # another step holds the helpers: this one claims every slice itself
+        got = decode(stage, [4, 5, 6], 3)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_uncaptured_jit_is_not_replayable():
+    with pytest.raises(NotReplayable):
+        CpuReplay(TinyJit(lambda x: x + 1), [Tensor([1.0]).realize()])
