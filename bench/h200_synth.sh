@@ -7,7 +7,8 @@
 #                              the four GGUFs written, the kernel tests on CUDA, the matvec layouts swept
 #                              (bench/matvec_bench.py), the engine bench on every file
 #   bench/h200_synth.sh two    waits for the build, llama-bench on every file, then engine runs left over
-#                              ($ENGINE2: "file@layout ...", layout = MESH_GPU_MV's value)
+#                              ($ENGINE2: "file@layout ...", layout = MESH_GPU_MV's value), then per-kernel GPU
+#                              time of one decode step of the files in $PROFILE (bench/decode_profile.py)
 #   bench/h200_synth.sh three  one call on a fresh machine after a kernel change: tests on CUDA, the matvec sweep,
 #                              the engine on every file (no llama.cpp: take its figures from a `two`)
 #
@@ -53,6 +54,13 @@ llamabench() {  # every file once, when the build is there and time is left
   touch /tmp/lb.done
 }
 
+profile() {  # profile <file>: one decode step's GPU time per kernel kind (bench/decode_profile.py)
+  local lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip profile $1: no time"; return; }
+  [ "$lim" -gt 150 ] && lim=150
+  echo "== profile $1"
+  DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$1.gguf 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
+}
+
 case $phase in
 one)
   {
@@ -68,13 +76,13 @@ one)
   for f in 1.1b-Q8_0 1.1b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done 2>&1 | tee "$OUT/synth.txt"
   ( for f in 8b-Q8_0 8b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done \
     >> "$OUT/synth.txt" 2>&1; touch $M/.8b ) &
-  DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_engine_quant.py 2>&1 \
-    | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
-  DEV=CUDA timeout 170 python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 \
-    --layouts ${LAYOUTS:-naive,16:auto,16:auto:c,16:64:c} 2>&1 | grep -v Warning > "$OUT/matvec.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore \
+    tests/test_engine_quant.py tests/test_matvec_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA timeout 170 python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --ceiling \
+    --layouts ${LAYOUTS:-default,8:256,4:512} 2>&1 | grep -v Warning > "$OUT/matvec.txt"
   sed -n '/^summary/,$p' "$OUT/matvec.txt"
   while [ ! -f $M/.8b ]; do sleep 2; done; ls -la $M
-  for f in $FILES; do engine $f engine.txt; done
+  for f in ${ENGINE1:-8b-Q4_0 8b-Q8_0 1.1b-Q8_0 1.1b-Q4_0}; do engine $f engine.txt; done
   llamabench
   echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -2 /tmp/lc.log)"
   ;;
@@ -96,6 +104,7 @@ two)
   tail -3 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
   llamabench
   for spec in ${ENGINE2:-}; do engine ${spec%%@*} engine2.txt ${spec#*@}; done  # file@layout, layout "" = default
+  for f in ${PROFILE:-}; do profile $f; done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

@@ -1,11 +1,11 @@
 """The resident-block matvec (engine/quant.py) alone, per weight shape, type and GPU layout: GB/s of weight bytes.
 
-    DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --layouts naive,16:auto,16:auto:c
+    DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --layouts default,8:256,2:256
 
-A layout is MESH_GPU_MV's value, written with ':' so the list can use commas (engine/quant.py `_gpu_layout`):
-"naive" is a thread per row; "U:P" U rows per thread as vector lanes, P threads each reading whole blocks of a
-row; "U:P:c" P blocks side by side with a thread per value of a sub-block (the default, with P "auto"); "default"
-is whatever the engine does unset. Each measurement replays, in one
+A layout is MESH_GPU_MV's value, written with ':' so the list can use commas (engine/matvec_gpu.py `gpu_layout`):
+"naive" is a thread per row (engine/quant.py); "TW:THREADS" TW threads sharing a block's values, at most THREADS
+threads a block; "default" is whatever the engine does unset. First, with --ceiling, a plain device copy of 1 GiB
+(bytes read + written over time): the bandwidth ceiling. Each measurement replays, in one
 TinyJit, the matvec over enough copies of the weight to exceed 256 MB (so the 60 MB L2 of an H200 holds none of
 them between uses), and divides the replay's wall time by the number of matvecs: launch gaps of a replayed graph
 included, as in a decode step. Random blocks with small f16 scales (bench/synth_gguf.py's generator); the result
@@ -35,7 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--types", default="Q8_0,Q4_0")
-    ap.add_argument("--layouts", default="naive,16:64")
+    ap.add_argument("--layouts", default="default")
+    ap.add_argument("--ceiling", action="store_true")
     ap.add_argument("--mats", default="", help="comma list of the shape's matrices (default all)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
@@ -48,6 +49,23 @@ def main() -> None:
     rng, unit = _Random(0), {}
     mats = a.mats.split(",") if a.mats else list(SHAPES[a.shape])
     rows_out = []
+    if a.ceiling:
+        src = Tensor.ones(1 << 28, dtype="uint32", device=dev).contiguous().realize()
+
+        @TinyJit
+        def copy(t: Tensor) -> Tensor:
+            return (t ^ 1).realize()
+        for _ in range(3):
+            copy(src)
+        Device[dev].synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            copy(src)
+        Device[dev].synchronize()
+        line = f"ceiling: copy of 1 GiB (read + write) {2 * src.nbytes() * 10 / (time.perf_counter() - t0) / 1e9:.0f} GB/s"
+        print(line, flush=True)
+        rows_out.append(line)
+        del src
     for qt in a.types.split(","):
         for mname in mats:
             rows, cols = SHAPES[a.shape][mname]

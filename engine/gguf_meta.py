@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from .errors import ModelFormatError, UnsupportedModel
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 # Bounds that keep a corrupt header from making us allocate or loop without end.
 _MAX_STRING = 64 << 20
@@ -105,6 +105,20 @@ class ModelMeta:
     range: tuple[int, int] | None = None  # layers this file holds when it is a range-only GGUF
     qkv_bias: bool = False
     rope_neox: bool = True  # False: llama.cpp's NORM rope (adjacent pairs), undone at load by permuting q/k rows
+    # Gemma-style layers (see engine/gemma3.py); the defaults describe the llama family
+    rope_scale: float = 1.0  # linear rope scaling: positions are multiplied by this (1 / rope.scaling.factor)
+    sliding_window: int = 0  # local layers attend to this many positions, the query's own included (0: none)
+    swa_pattern: int = 0  # of every swa_pattern layers the last is global, the others local (llama.cpp's rule)
+    rope_theta_local: float = 0.0  # rope base of the local layers
+    post_norms: bool = False  # RMS norms after attention and after the FFN, before their residual adds
+    embed_scale: float = 1.0  # the first stage multiplies the token embeddings by this
+    attn_scale: float = 0.0  # the query's scale before q.k (0: 1 / sqrt(head_dim))
+    ffn_act: str = "silu"  # the gate's activation: "silu" or "gelu" (tanh approximation)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether absolute layer `layer` is a local (sliding-window) layer. A function of the index alone, so
+        every split of the model gives each layer the same kind."""
+        return self.sliding_window > 0 and self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1
 
 
 class _Cursor:
@@ -366,6 +380,11 @@ def meta_from_gguf(g: GGUFFile) -> ModelMeta:
             rng = (int(g.kv["mesh.range.start"]), int(g.kv["mesh.range.end"]))
             if not 0 <= rng[0] < rng[1] <= n_layers:
                 raise ModelFormatError(f"{g.path}: mesh.range {rng} lies outside the source's {n_layers} layers")
+    gemma = _gemma_fields(g, p, dim, n_heads, head_dim, n_layers) if arch == "gemma3" else {}
+    scaling = g.kv.get(p + "rope.scaling.type")
+    rope_scale = 1.0
+    if scaling == "linear" and float(g.kv.get(p + "rope.scaling.factor", 1.0) or 1.0) > 0:
+        rope_scale = 1.0 / float(g.kv.get(p + "rope.scaling.factor", 1.0) or 1.0)
     return ModelMeta(
         arch=arch,
         n_layers=n_layers,
@@ -386,7 +405,24 @@ def meta_from_gguf(g: GGUFFile) -> ModelMeta:
         range=rng,
         qkv_bias=any(n.endswith(".attn_q.bias") for n in g.tensors),
         rope_neox=arch != "llama",
+        rope_scale=rope_scale,
+        **gemma,
     )
+
+
+def _gemma_fields(g: GGUFFile, p: str, dim: int, n_heads: int, head_dim: int, n_layers: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp builds it (src/llama-model.cpp, src/models/gemma3.cpp): of every 6 layers the first 5
+    are local, with rope base 10000 and a window of `attention.sliding_window` positions; norms after attention
+    and FFN; GELU; embeddings times sqrt(dim); the query scaled by 1/sqrt(head_dim) (the 62-layer 27B model:
+    1/sqrt(dim / heads)). The GGUF converter already stored the norms' weights as 1 + w."""
+    window = int(_need(g, p + "attention.sliding_window"))
+    if window <= 0:
+        raise ModelFormatError(f"{g.path}: {p}attention.sliding_window = {window} is not a positive window")
+    # no logit soft-capping: llama.cpp's gemma3 graph with a sliding window has none (Gemma 2 had it)
+    scale_dim = dim // n_heads if n_layers == 62 else head_dim
+    return dict(sliding_window=window, swa_pattern=6, rope_theta_local=10000.0, post_norms=True,
+                embed_scale=float(np.sqrt(np.float32(dim), dtype=np.float32)), attn_scale=float(1 / np.sqrt(np.float32(scale_dim), dtype=np.float32)),
+                ffn_act="gelu")
 
 
 def read_model_meta(path: str | Path) -> ModelMeta:

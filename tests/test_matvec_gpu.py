@@ -1,5 +1,8 @@
 """The GPU matvec (engine/matvec_gpu.py) on tinygrad's PYTHON device, which runs a GPU kernel as a GPU would: thread
-blocks, shared memory and barriers. Every fused variant against float64 numpy on gguf's dequantized weights."""
+blocks, shared memory and barriers. Every fused variant against float64 numpy on gguf's dequantized weights.
+MESH_GPU_TEST_DEV=CUDA (or METAL) runs the same checks on a real GPU."""
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -10,7 +13,7 @@ from engine.matvec_gpu import gpu_layout
 from engine.quant import QuantWeight, interleave_for, repack
 from tests.test_engine_quant import blocks_of
 
-DEV = "PYTHON"
+DEV = os.environ.get("MESH_GPU_TEST_DEV", "PYTHON")
 
 
 def check(qtype: str, rows: int, cols: int, n: int, mode: str) -> None:

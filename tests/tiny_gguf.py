@@ -1,4 +1,4 @@
-"""Write tiny random GGUF models (llama, qwen2, qwen3) for tests: a few layers, small dims, any quant type.
+"""Write tiny random GGUF models (llama, qwen2, qwen3, gemma3) for tests: a few layers, small dims, any quant type.
 
     write_tiny_gguf(tmp_path / "m.gguf", arch="qwen2", n_layers=3, qtype="Q4_1") -> Path
 
@@ -53,8 +53,10 @@ def write_tiny_gguf(
     norm_eps: float = 1e-5,
     seed: int = 0,
     extra_kv: dict[str, Any] | None = None,
+    sliding_window: int = 8,
 ) -> Path:
-    """Write a random `arch` model to `path` and return the path. qwen2 gets q/k/v biases, qwen3 q/k norms."""
+    """Write a random `arch` model to `path` and return the path. qwen2 gets q/k/v biases, qwen3 q/k norms, gemma3
+    q/k norms, post-norms and `sliding_window` (its local layers: 5 of every 6)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     head_dim = head_dim or dim // n_heads
@@ -76,6 +78,8 @@ def write_tiny_gguf(
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(norm_eps)
+    if arch == "gemma3":
+        w.add_sliding_window(sliding_window)
     w.add_vocab_size(vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"<t{i}>" for i in range(vocab_size)])
@@ -110,13 +114,16 @@ def write_tiny_gguf(
             vec(b + "attn_q.bias", n_heads * head_dim, 0.0, 0.1)
             vec(b + "attn_k.bias", n_kv_heads * head_dim, 0.0, 0.1)
             vec(b + "attn_v.bias", n_kv_heads * head_dim, 0.0, 0.1)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             vec(b + "attn_q_norm.weight", head_dim, 1.0, 0.1)
             vec(b + "attn_k_norm.weight", head_dim, 1.0, 0.1)
         vec(b + "ffn_norm.weight", dim, 1.0, 0.1)
         mat(b + "ffn_gate.weight", ffn_dim, dim, wq, dim ** -0.5)
         mat(b + "ffn_up.weight", ffn_dim, dim, wq, dim ** -0.5)
         mat(b + "ffn_down.weight", dim, ffn_dim, wq, ffn_dim ** -0.5)
+        if arch == "gemma3":  # stored as 1 + w, as llama.cpp's converter writes Gemma's norms
+            vec(b + "post_attention_norm.weight", dim, 1.0, 0.1)
+            vec(b + "post_ffw_norm.weight", dim, 1.0, 0.1)
     vec("output_norm.weight", dim, 1.0, 0.1)
     if not tied_output:
         mat("output.weight", vocab_size, dim, we, dim ** -0.5)
