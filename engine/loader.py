@@ -41,6 +41,8 @@ def block_tensor_names(meta: ModelMeta, layer: int) -> dict[str, str]:
         names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if meta.qk_norm:
         names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    if meta.post_norms:
+        names += ["post_attention_norm.weight", "post_ffw_norm.weight"]
     return {n: f"blk.{layer}.{n}" for n in names}
 
 
@@ -297,8 +299,9 @@ class EmbeddingTable:
     the same tensor) the rows are read back from those blocks instead of held a second time.
     """
 
-    def __init__(self, g: GGUFFile, info: TensorInfo, shared: QuantWeight | None = None) -> None:
+    def __init__(self, g: GGUFFile, info: TensorInfo, shared: QuantWeight | None = None, scale: float = 1.0) -> None:
         self.shared = shared
+        self.scale = scale  # Gemma multiplies the embeddings by sqrt(dim) (in float32, as llama.cpp)
         self.rows = None if shared is not None else read_rows(g, info)
         self.ggml_type = GGMLQuantizationType(info.ggml_type)
         self.vocab_size, self.dim = info.shape
@@ -309,7 +312,8 @@ class EmbeddingTable:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:  # (N,) -> (N, dim) float32
         raw = self.rows[ids] if self.shared is None else np.stack([self.shared.read_row(int(i)) for i in ids])
-        return np_dequantize(raw, self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
+        rows = np_dequantize(raw, self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
+        return rows if self.scale == 1.0 else rows * np.float32(self.scale)
 
     @property
     def nbytes(self) -> int:

@@ -33,11 +33,34 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
 
 
-def rope_tables(positions: np.ndarray, rope_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, rope_dim: int, theta: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin for the given positions, computed on the host in float64 so every stage gets identical bits."""
     inv = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-    ang = positions.astype(np.float64)[:, None] * inv[None, :]  # (N, R/2)
+    ang = (positions.astype(np.float64) * scale)[:, None] * inv[None, :]  # (N, R/2)
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope_inputs(meta: ModelMeta, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The step's cos/sin input: one (N, R/2) table per rope base the model uses, side by side on the last axis
+    (table 0: the model's base; table 1: the local layers' base, Gemma 3). A block reads its own table
+    (`Block.rope_table`), so one input serves layers of every kind."""
+    cos, sin = rope_tables(positions, meta.rope_dim, meta.rope_theta, meta.rope_scale)
+    if not meta.rope_theta_local:
+        return cos, sin
+    cos_l, sin_l = rope_tables(positions, meta.rope_dim, meta.rope_theta_local)
+    return np.concatenate([cos, cos_l], axis=1), np.concatenate([sin, sin_l], axis=1)
+
+
+def make_block(meta: ModelMeta, layer: int, w: dict[str, Weight], *, n_slots: int, max_context: int,
+               kv_dtype: DType) -> "Block":
+    """The block of absolute layer `layer`: its kind (class, local or global attention) follows from the index
+    alone, so any split of the model runs each layer the same way."""
+    common = dict(n_heads=meta.n_heads, n_kv_heads=meta.n_kv_heads, head_dim=meta.head_dim, rope_dim=meta.rope_dim,
+                  norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context, kv_dtype=kv_dtype)
+    if meta.arch == "gemma3":
+        from .gemma3 import Gemma3Block
+        return Gemma3Block(w, meta=meta, layer=layer, **common)
+    return Block(w, **common)
 
 
 class Block:
@@ -81,30 +104,7 @@ class Block:
             q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        q = q.contiguous().realize()  # k and v go straight from the qkv rows into the cache writes
-
-        # write every group's keys/values first: a later group of the same step may attend to them
-        writes = []
-        for g in groups:
-            dst = (slice(g.slot, g.slot + 1), slice(None), slice(g.pos, g.pos + g.n))
-            kg = k[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_k.dtype)
-            vg = v[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_v.dtype)
-            writes += [self.cache_k[dst].assign(kg), self.cache_v[dst].assign(vg)]
-        Tensor.realize(*writes)
-
-        outs = []
-        scale = 1.0 / Hd ** 0.5
-        for g in groups:
-            L = g.pos + g.n
-            keys = self.cache_k[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
-            vals = self.cache_v[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
-            qg = q[g.col:g.col + g.n].reshape(g.n, KvH, H // KvH, Hd).permute(1, 2, 0, 3)  # (KvH, G, n, Hd)
-            att = (qg @ keys.transpose(-1, -2)) * scale  # (KvH, G, n, L)
-            if g.n > 1:  # causal inside the run: column t sees keys up to pos + t
-                att = att + Tensor.full((g.n, L), float("-inf")).triu(g.pos + 1)
-            o = att.softmax(-1) @ vals  # (KvH, G, n, Hd)
-            outs.append(o.permute(2, 0, 1, 3).reshape(g.n, H * Hd))
-        attn = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)  # (N, H*Hd)
+        attn = self._attention(q, k, v, groups, 1.0 / Hd ** 0.5)  # (N, H*Hd)
 
         x = self._lin(attn, "attn_output", residual=x)
         norm = self._norm("ffn_norm.weight")
@@ -118,6 +118,34 @@ class Block:
             h = rms_norm(x, *norm)
             ff = self._lin(self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up"), "ffn_down", residual=x)
         return ff.contiguous().realize()
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, groups: list[Group], scale: float) -> Tensor:
+        """Write each group's k/v (N, KvH, Hd) into its slot's cache, attend with q (N, H, Hd) over the slot's
+        positions so far; returns (N, H*Hd)."""
+        H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = q.contiguous().realize()  # k and v go straight from the qkv rows into the cache writes
+
+        # write every group's keys/values first: a later group of the same step may attend to them
+        writes = []
+        for g in groups:
+            dst = (slice(g.slot, g.slot + 1), slice(None), slice(g.pos, g.pos + g.n))
+            kg = k[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_k.dtype)
+            vg = v[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_v.dtype)
+            writes += [self.cache_k[dst].assign(kg), self.cache_v[dst].assign(vg)]
+        Tensor.realize(*writes)
+
+        outs = []
+        for g in groups:
+            L = g.pos + g.n
+            keys = self.cache_k[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
+            vals = self.cache_v[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
+            qg = q[g.col:g.col + g.n].reshape(g.n, KvH, H // KvH, Hd).permute(1, 2, 0, 3)  # (KvH, G, n, Hd)
+            att = (qg @ keys.transpose(-1, -2)) * scale  # (KvH, G, n, L)
+            if g.n > 1:  # causal inside the run: column t sees keys up to pos + t
+                att = att + Tensor.full((g.n, L), float("-inf")).triu(g.pos + 1)
+            o = att.softmax(-1) @ vals  # (KvH, G, n, Hd)
+            outs.append(o.permute(2, 0, 1, 3).reshape(g.n, H * Hd))
+        return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
 
     # Clearing writes zeros straight into the cache buffers: no kernel to schedule (a kernel per cache and layer cost
     # ~0.1 s of scheduling each, ~6 s of SmolLM2's warmup, which clears every slot once)

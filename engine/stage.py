@@ -18,7 +18,7 @@ from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      free_device_cache, load_fused, load_weight, tensor_info, write_into)
-from .model import Block, Group, Head, rope_tables
+from .model import Block, Group, Head, make_block, rope_inputs
 from .program_cache import cache_path, load_programs, save_programs
 from .program_cache import enabled as program_cache_enabled
 from .replay import CpuReplay, NotReplayable
@@ -163,6 +163,7 @@ class Stage:
             "ffn_gate.weight": (meta.ffn_dim, D), "ffn_up.weight": (meta.ffn_dim, D), "ffn_down.weight": (D, meta.ffn_dim),
             "attn_q.bias": (H * Hd,), "attn_k.bias": (KvH * Hd,), "attn_v.bias": (KvH * Hd,),
             "attn_q_norm.weight": (Hd,), "attn_k_norm.weight": (Hd,),
+            "post_attention_norm.weight": (D,), "post_ffw_norm.weight": (D,),
         }
         # llama GGUFs store q/k rows permuted for adjacent-pair rope; undo it so one half-split rope serves all
         rope_heads = {} if meta.rope_neox else {"attn_q.weight": H, "attn_k.weight": KvH, "attn_q.bias": H, "attn_k.bias": KvH}
@@ -193,9 +194,8 @@ class Stage:
                     info = tensor_info(g, full, shapes[short])
                     ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
                     weight_bytes += ws[short].nbytes
-            blocks.append(Block(ws, n_heads=H, n_kv_heads=KvH, head_dim=Hd, rope_dim=meta.rope_dim,
-                                norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context,
-                                kv_dtype=_KV_DTYPES[kv_dtype]))
+            blocks.append(make_block(meta, layer, ws, n_slots=n_slots, max_context=max_context,
+                                     kv_dtype=_KV_DTYPES[kv_dtype]))
         embed = head = out = None
         if last:
             out_name = "token_embd.weight" if meta.tied_output else "output.weight"
@@ -207,7 +207,8 @@ class Stage:
             # a stage holding both ends of a tied model looks its embeddings up in the head's resident blocks: the
             # tensor is held once, as in the file
             shared = out.quant if out is not None and meta.tied_output else None
-            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared)
+            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared,
+                                   scale=meta.embed_scale)
             weight_bytes += embed.nbytes
         _release_freed_memory()
         stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
@@ -243,6 +244,11 @@ class Stage:
         self._check_slot(slot)
         if not 0 <= pos <= self._lengths[slot]:
             raise RangeError(f"rollback of slot {slot} to {pos}: the slot holds positions [0, {self._lengths[slot]})")
+        # a sliding-window layer's ring still holds the positions a rollback of at most its slack uncovers
+        rings = [b.ring - b.sliding_window for b in self._blocks if getattr(b, "wraps", False)]
+        if rings and self._lengths[slot] - pos > min(rings):
+            raise RangeError(f"rollback of slot {slot} by {self._lengths[slot] - pos} positions: the sliding-window "
+                             f"layers keep only {min(rings)} positions beyond their window")
         self._lengths[slot] = pos
 
     def slot_length(self, slot: int) -> int:
@@ -343,7 +349,7 @@ class Stage:
             x_np = np.concatenate([x_np, np.zeros((size - n_real, self.dim), self.act_dtype)])
             positions = np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
             jit_runs = ((0, size),)
-        cos_np, sin_np = rope_tables(positions, self.meta.rope_dim, self.meta.rope_theta)
+        cos_np, sin_np = rope_inputs(self.meta, positions)
         # the last stage runs its layers for columns without logits too (their KV is needed), through the shape of
         # one logits row, which it throws away: one compiled shape fewer for the price of one row of the head
         wanted = bool(picks)

@@ -102,6 +102,15 @@ def greedy(stages: list[Stage], prompt: list[int], n: int, slot: int = 0) -> tup
 
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 180, 64, 11, 250, 33, 8, 120, 77, 2, 19, 140, 66, 5, 230, 41]
+CTX = 512  # window 8: the local layers keep a ring of 8 + RING_SLACK positions, which the tests go past
+
+
+@pytest.fixture(scope="module")
+def whole(tiny):
+    """The unsharded model, shared by the tests (each compiled step shape is kept); each test starts from reset."""
+    st = Stage.load(tiny, 0, N_LAYERS, n_slots=2, max_context=CTX)
+    yield st
+    st.reset()
 
 
 def test_meta_describes_gemma3(tiny):
@@ -111,10 +120,10 @@ def test_meta_describes_gemma3(tiny):
     assert m.embed_scale == pytest.approx(8.0) and m.attn_scale == pytest.approx(HEAD_DIM ** -0.5)
 
 
-def test_logits_equal_numpy_reference_while_the_ring_wraps(tiny):
-    # context 512, window 8: the local layers keep a ring of 8 + RING_SLACK positions, which the 22-token prompt
-    # (two prefill chunks) and 60 decode steps go past
-    st = Stage.load(tiny, 0, N_LAYERS, n_slots=1, max_context=512)
+def test_logits_equal_numpy_reference_while_the_ring_wraps(tiny, whole):
+    # the 22-token prompt (two prefill chunks) and 60 decode steps go past the ring's length
+    st = whole
+    st.reset()
     ring = {b.ring for b in st._blocks if b.sliding_window}
     assert ring == {WINDOW + gemma3_mod.RING_SLACK} and len(PROMPT) + 60 > WINDOW + gemma3_mod.RING_SLACK
     tokens, logits = greedy([st], PROMPT, 60)
@@ -123,19 +132,20 @@ def test_logits_equal_numpy_reference_while_the_ring_wraps(tiny):
         np.testing.assert_allclose(row, ref[len(PROMPT) - 1 + i], rtol=0, atol=2e-4, err_msg=f"step {i}")
 
 
-def test_any_split_is_bitwise_the_unsharded_run(tiny):
-    whole, whole_logits = greedy([Stage.load(tiny, 0, N_LAYERS, n_slots=1, max_context=128)], PROMPT, 12)
-    for cuts in ((0, 3, N_LAYERS), (0, 5, 6, N_LAYERS)):  # a global layer alone in the middle
-        stages = [Stage.load(tiny, a, b, n_slots=1, max_context=128) for a, b in zip(cuts, cuts[1:])]
-        tokens, logits = greedy(stages, PROMPT, 12)
-        assert tokens == whole, cuts
-        for a, b in zip(logits, whole_logits):
-            assert np.array_equal(a, b), cuts
+def test_any_split_is_bitwise_the_unsharded_run(tiny, whole):
+    whole.reset()
+    expected, expected_logits = greedy([whole], PROMPT, 12)
+    cuts = (0, 5, 6, N_LAYERS)  # three stages, the global layer 5 alone in the middle one
+    stages = [Stage.load(tiny, a, b, n_slots=2, max_context=CTX) for a, b in zip(cuts, cuts[1:])]
+    tokens, logits = greedy(stages, PROMPT, 12)
+    assert tokens == expected
+    for a, b in zip(logits, expected_logits):
+        assert np.array_equal(a, b)
 
 
-def test_batched_decode_of_slots_at_different_places_in_the_ring(tiny):
-    ctx = 256
-    st = Stage.load(tiny, 0, N_LAYERS, n_slots=2, max_context=ctx)
+def test_batched_decode_of_slots_at_different_places_in_the_ring(whole):
+    st = whole
+    st.reset()
     # slot 0 alone past the ring's first wrap, slot 1 alone from a shorter prompt
     alone0, _ = greedy([st], PROMPT * 4, 10, slot=0)
     alone1, _ = greedy([st], PROMPT[:5], 10, slot=1)
@@ -152,8 +162,9 @@ def test_batched_decode_of_slots_at_different_places_in_the_ring(tiny):
     assert seqs == [alone0, alone1]
 
 
-def test_rollback_within_the_ring_slack_and_refused_beyond(tiny):
-    st = Stage.load(tiny, 0, N_LAYERS, n_slots=1, max_context=512)
+def test_rollback_within_the_ring_slack_and_refused_beyond(whole):
+    st = whole
+    st.reset()
     seq, _ = greedy([st], PROMPT * 5, 8)  # 110 prompt positions: the ring has wrapped
     n = len(seq) - 1  # positions the slot holds
     with pytest.raises(RangeError, match="sliding-window"):
