@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 
@@ -21,9 +22,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from engine.errors import EngineError
 from engine.tokenizer import EOG_TEXTS, Tokenizer
 
-__all__ = ["ChatError", "render_prompt", "stop_markers", "strip_stop_markers", "MODES"]
+__all__ = ["ChatError", "describe_prompt_mode", "render_prompt", "stop_markers", "strip_stop_markers", "MODES"]
 
 MODES = ("auto", "raw")
+
+log = logging.getLogger("engine.chat")
+_told: set[tuple[str, str]] = set()  # (model, mode) pairs whose prompt mode was logged already
 
 # control tokens that open a new turn: if the model writes one, its reply is over
 _TURN_STARTS = frozenset({"<|im_start|>", "<|start_header_id|>", "<start_of_turn>", "<|user|>", "<|assistant|>"})
@@ -77,6 +81,26 @@ def _messages(history: Iterable[object], system: str | None, user_text: str) -> 
     return out
 
 
+def describe_prompt_mode(tokenizer_or_template: Tokenizer | str | None, mode: str = "auto") -> tuple[str, str]:
+    """What `render_prompt` does for this model and mode: ("template" or "raw", a sentence saying so and why).
+
+    A GGUF without `tokenizer.chat_template` (base models, many small or converted files: Gemma 3 270M) gets its
+    prompt as written under "auto" too; the sentence says so, so that a caller can tell the user why a chat model
+    answers like a text completer."""
+    if mode not in MODES:
+        raise ChatError(f"prompt mode {mode!r} is unknown (use one of {', '.join(MODES)})")
+    tok = tokenizer_or_template if isinstance(tokenizer_or_template, Tokenizer) else None
+    template = tok.chat_template if tok is not None else tokenizer_or_template
+    where = tok.name if tok is not None else "the given model"
+    bos = " after the BOS token" if tok is not None and tok.add_bos else ""
+    if mode == "raw":
+        return "raw", f"prompt template: raw (--template raw): the text is sent as written{bos}"
+    if template is None:
+        return "raw", (f"prompt template: none: {where} has no chat template (tokenizer.chat_template), so the text is "
+                       f"sent as written{bos}, as with --template raw; format the turns yourself if the model needs them")
+    return "template", f"prompt template: the chat template of {where} (--template auto)"
+
+
 def render_prompt(
     tokenizer_or_template: Tokenizer | str | None,
     user_text: str,
@@ -91,8 +115,11 @@ def render_prompt(
     appended; a model without a template gets the text as is, like `mode="raw"`. History and a system prompt need a
     template: raw mode has no roles to put them in, so they are refused rather than silently dropped.
     """
-    if mode not in MODES:
-        raise ChatError(f"prompt mode {mode!r} is unknown (use one of {', '.join(MODES)})")
+    _, note = describe_prompt_mode(tokenizer_or_template, mode)
+    key = (getattr(tokenizer_or_template, "name", "<template>"), mode)
+    if key not in _told:  # once per model and mode: the CLI and the coordinator's log say which prompt went out
+        _told.add(key)
+        log.info("%s", note)
     history = tuple(history)
     if isinstance(tokenizer_or_template, Tokenizer):
         tok = tokenizer_or_template

