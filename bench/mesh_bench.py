@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -67,22 +68,29 @@ def _depth(model: Path) -> int:
     return read_model_meta(model).n_layers
 
 
+OPEN = False
+
+
 @asynccontextmanager
 async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...]):
     """A formed fleet of `peers` peer processes on loopback; yields its pipeline."""
     port = free_port()
+    token = None if OPEN else secrets.token_urlsafe(24)     # sealed links, as a fleet runs them (--open: not)
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
-                      webrtc_hops=rtc_hops)
+                      webrtc_hops=rtc_hops, token=token and token.encode())
     coord = Coordinator(cfg)
     procs = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("MESH_TOKEN", None)
+    if token:
+        env["MESH_TOKEN"] = token
     try:
         async with trio.open_nursery() as nursery:
             await coord.serve_registry(nursery)
             for _ in range(peers):
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "mesh", "peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                     "--model", str(model)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                     "--model", str(model), *([] if token else ["--insecure-open"])], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, start_new_session=True))
             async with AsyncExitStack() as stack:
                 _fleet, pipe = await coord.form(nursery, stack)
@@ -118,7 +126,11 @@ async def main() -> None:
     ap.add_argument("--chain", default="p2p")
     ap.add_argument("--rounds", type=int, default=3, help="timed (unsharded, mesh) answer pairs per configuration")
     ap.add_argument("--rtc-middle", action="store_true", help="also run 3 peers with the middle hop on WebRTC")
+    ap.add_argument("--open", action="store_true", help="open fleet (no token): links sealed with keys from the key "
+                                                       "exchange alone; the default is a token, as `mesh-coord` makes")
     args = ap.parse_args()
+    global OPEN
+    OPEN = args.open
     model = args.model or default_model_path()
     tok = Tokenizer.from_gguf(model)
     ids = tok.encode(PROMPT)

@@ -11,30 +11,78 @@ from pathlib import Path
 import trio
 
 TOKEN_ENV = "MESH_TOKEN"
+SHORT_TOKEN = 16             # a shorter fleet token gets a warning: it guards every link's keys
+RETRY_FOREVER = None
+
+
+def _expected_kinds() -> tuple[type, ...]:
+    """Failures a user can cause or meet (a model, an address, a peer, a token): one line, not a traceback."""
+    from engine.errors import EngineError
+    from engine.gguf_range import RangeGGUFError
+    from mesh.errors import MeshError
+    from mesh.link import LinkError
+    from mesh.proto import ProtoError
+    from transport import TransportError
+    return (MeshError, EngineError, RangeGGUFError, LinkError, ProtoError, TransportError, OSError)
 
 
 def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
-    """Turn an expected failure (possibly wrapped in trio's exception groups) into one line and exit 1."""
+    """Turn an expected failure (possibly wrapped in trio's exception groups) into one line and exit 1; Ctrl-C
+    anywhere in the groups is a goodbye and exit 130."""
     from mesh.errors import leaf_errors
-    leaves = leaf_errors(exc)
+    from mesh.logsafe import clean
+    leaves = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
+    if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+        _goodbye(prog)
     expected = [e for e in leaves if isinstance(e, kinds)]
-    if expected and all(isinstance(e, kinds + (KeyboardInterrupt,)) for e in leaves):
-        sys.exit(f"{prog}: {expected[0]}")
+    if expected and len(expected) == len(leaves):
+        sys.exit(f"{prog}: {clean(expected[0], 1000)}")
     raise exc
+
+
+def _goodbye(prog: str) -> None:
+    print(f"\n{prog}: interrupted; bye", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 def _run(prog: str, main, *args) -> None:
     """trio.run with the CLI's exits: 130 on Ctrl-C, one line and 1 on an expected failure, a traceback otherwise."""
-    from engine.errors import EngineError
-    from mesh.errors import MeshError
     try:
         trio.run(main, *args)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _goodbye(prog)
     except SystemExit:
         raise
     except BaseException as exc:
-        _exit_on(prog, (MeshError, EngineError, OSError), exc)
+        _exit_on(prog, _expected_kinds(), exc)
+
+
+def _addr(flag: str, *, listen: bool = False):
+    """An argparse type: a dial address (HOST:PORT or ws://...), or with `listen` a bindable HOST:PORT, checked when
+    the arguments are parsed, so a bad one fails at once instead of being retried or bound somewhere else."""
+    def parse(text: str) -> str:
+        from transport import AddressError, parse_addr
+        try:
+            addr = parse_addr(text)
+        except AddressError as exc:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: {exc.reason}") from None
+        if listen and addr.scheme != "tcp":
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: listen on HOST:PORT (WebSocket clients are served "
+                                             f"on the same port)")
+        if not listen and addr.port == 0:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: port 0 cannot be dialed")
+        return text
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--retry-for {text!r}: expected a number of seconds > 0")
+    return value
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -54,18 +102,73 @@ def _hops(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--webrtc-hops {text!r}: expected hop numbers like 1,2") from None
 
 
-def _token(args) -> bytes | None:
+def _token(prog: str, args) -> bytes | None:
+    """The fleet token from --token or $MESH_TOKEN; None only with --insecure-open. Problems are caught here, before
+    anything starts: both given, neither given (mesh-coord then makes one), a short one."""
     tok = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
-    return tok.encode() if tok else None
+    if args.insecure_open:
+        if tok:
+            sys.exit(f"{prog}: --insecure-open runs without a fleet token, but one was given "
+                     f"({'--token' if args.token is not None else '$' + TOKEN_ENV}); drop one of them")
+        print(f"{prog}: WARNING: --insecure-open: no fleet token. Anyone who can reach this fleet's ports can join "
+              f"it, read the prompts and answers, and feed tokens into them.", file=sys.stderr, flush=True)
+        return None
+    if not tok:
+        return None
+    if len(tok) < SHORT_TOKEN:
+        print(f"{prog}: warning: the fleet token is {len(tok)} characters; use at least {SHORT_TOKEN} random ones "
+              f"(mesh-coord without --token makes one)", file=sys.stderr, flush=True)
+    return tok.encode()
+
+
+def _check_model(prog: str, path: Path) -> None:
+    """Read the model's metadata before anything starts, so a file that is not a usable GGUF is one line."""
+    from engine.gguf_meta import read_model_meta
+    try:
+        read_model_meta(path)
+    except _expected_kinds() as exc:
+        sys.exit(f"{prog}: model {path}: {exc}")
+    except (ValueError, TypeError, OverflowError, KeyError, IndexError) as exc:   # metadata of the wrong kind
+        sys.exit(f"{prog}: model {path}: not a usable GGUF: {type(exc).__name__}: {exc}")
+
+
+def _ice(prog: str, args):
+    from signaling import IceConfig, SignalingError
+    try:
+        return IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass)
+    except (SignalingError, ValueError) as exc:
+        sys.exit(f"{prog}: {exc}")
+
+
+def _generated_token(listen: str) -> bytes:
+    """mesh-coord without a token: make a strong one and tell the user how to start peers with it (as Jupyter
+    prints its URL with a token). 24 random bytes: no offline search will find it."""
+    import secrets
+    import socket
+    tok = secrets.token_urlsafe(24)
+    host, _, port = listen.rpartition(":")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    print(f"mesh-coord: no --token given; this fleet's token is {tok}\n"
+          f"mesh-coord: start each peer with:\n"
+          f"    {TOKEN_ENV}={tok} mesh-peer --join {host}:{port}", file=sys.stderr, flush=True)
+    return tok.encode()
 
 
 def _logging(verbose: bool) -> None:
+    from mesh.logsafe import install
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:    # network text escaped, one line a record, repeats limited
+        install(handler)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", help=f"fleet token (default: ${TOKEN_ENV}); every connection authenticates with it")
+    p.add_argument("--token", help=f"fleet token (default: ${TOKEN_ENV}); every connection authenticates with it "
+                                   f"and is encrypted with keys derived from it")
+    p.add_argument("--insecure-open", action="store_true",
+                   help="run an open fleet with no token: anyone who can reach it may join (encrypted against "
+                        "eavesdroppers only)")
     p.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA (default: tinygrad's choice, with fallbacks)")
     p.add_argument("--stun", action="append", default=[], help="STUN server URL for WebRTC hops (none by default)")
     p.add_argument("--turn", action="append", default=[],
@@ -78,7 +181,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 # ---- mesh-coord ----------------------------------------------------------------------------------------------
 def coord_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-coord", description="Coordinate a mesh of peers serving one model.")
-    p.add_argument("--listen", default="0.0.0.0:9000", help="registry address peers join (default 0.0.0.0:9000)")
+    p.add_argument("--listen", default="0.0.0.0:9000", type=_addr("--listen", listen=True),
+                   help="registry address peers join (default 0.0.0.0:9000)")
     p.add_argument("--model", help="GGUF path or hf:// source (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before serving")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of quiet after --min-peers to absorb stragglers")
@@ -110,16 +214,19 @@ def coord_main(argv: list[str] | None = None) -> None:
     _logging(args.verbose)
     from engine.sources import default_model_path, resolve_source
     from mesh.coordinator import CoordConfig
-    from signaling import IceConfig
 
     try:
         model = resolve_source(args.model) if args.model else default_model_path()
     except Exception as exc:
         sys.exit(f"mesh-coord: model {args.model or '(default)'}: {exc}")
+    _check_model("mesh-coord", Path(model))
     if args.layers and args.layers[0] != 0:
         sys.exit("mesh-coord: --layers must start at 0 (the coordinator holds the first layers)")
-    ice = IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass)
-    cfg = CoordConfig(model=Path(model), listen=args.listen, token=_token(args), min_peers=args.min_peers,
+    ice = _ice("mesh-coord", args)
+    token = _token("mesh-coord", args)
+    if token is None and not args.insecure_open:
+        token = _generated_token(args.listen)
+    cfg = CoordConfig(model=Path(model), listen=args.listen, token=token, min_peers=args.min_peers,
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
                       warmup=args.warmup, ice=ice)
@@ -251,9 +358,15 @@ async def _chat(coord, nursery, args, sampling) -> None:
 # ---- mesh-peer -----------------------------------------------------------------------------------------------
 def peer_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-peer", description="Lend this machine's layers to a mesh.")
-    p.add_argument("--join", required=True, help="the coordinator's registry, HOST:PORT or ws://HOST:PORT")
-    p.add_argument("--listen", default="0.0.0.0:0", help="where predecessor peers dial this one (default: any port)")
-    p.add_argument("--advertise", help="HOST:PORT (or ws://...) predecessors should dial, if not our source address")
+    p.add_argument("--join", required=True, type=_addr("--join"),
+                   help="the coordinator's registry, HOST:PORT or ws://HOST:PORT")
+    p.add_argument("--retry-for", type=_seconds, default=RETRY_FOREVER, metavar="SECONDS",
+                   help="give up (exit 1) when the coordinator could not be reached for this long (default: keep "
+                        "trying; a peer re-joins after every session)")
+    p.add_argument("--listen", default="0.0.0.0:0", type=_addr("--listen", listen=True),
+                   help="where predecessor peers dial this one (default: any port)")
+    p.add_argument("--advertise", type=_addr("--advertise"),
+                   help="HOST:PORT (or ws://...) predecessors should dial, if not our source address")
     p.add_argument("--model", help="a local GGUF; without one the peer waits for the coordinator to ship its layers")
     p.add_argument("--layers", type=_layers, help="pin this peer to layers A:B")
     p.add_argument("--memory-gb", type=float, help="planning hint: memory this peer offers (default: free memory)")
@@ -270,10 +383,13 @@ def peer_main(argv: list[str] | None = None) -> None:
     args = peer_parser().parse_args(argv)
     _logging(args.verbose)
     from mesh.peer import Peer, PeerConfig, memory_hint_mb
-    from signaling import IceConfig
 
     if args.layers and not args.model:
         sys.exit("mesh-peer: --layers needs --model (a pinned range must be loadable locally)")
+    token = _token("mesh-peer", args)
+    if token is None and not args.insecure_open:
+        sys.exit(f"mesh-peer: no fleet token: pass --token (or set ${TOKEN_ENV}) as mesh-coord printed it, or "
+                 f"--insecure-open to join an open fleet")
     model = None
     if args.model:
         from engine.sources import resolve_source
@@ -281,8 +397,10 @@ def peer_main(argv: list[str] | None = None) -> None:
             model = Path(resolve_source(args.model))
         except Exception as exc:
             sys.exit(f"mesh-peer: model {args.model}: {exc}")
-    cfg = PeerConfig(join=args.join, token=_token(args), listen=args.listen, advertise=args.advertise, model=model,
+    cfg = PeerConfig(join=args.join, token=token, listen=args.listen, advertise=args.advertise, model=model,
                      layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
-                     device=args.device, max_context=args.max_context, warmup=args.warmup,
-                     ice=IceConfig.from_flags(args.stun, args.turn, args.turn_user, args.turn_pass))
+                     device=args.device, max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
+                     ice=_ice("mesh-peer", args))
+    if model is not None:
+        _check_model("mesh-peer", model)
     _run("mesh-peer", Peer(cfg).run)

@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +22,9 @@ from engine.stage import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
 from mesh import proto
 from mesh.errors import FleetError, HopError, SessionError
-from mesh.link import LinkError, RemoteError, open_link
+from mesh.identity import model_identity
+from mesh.link import LinkError, PreAuthGate, RemoteError, open_link
+from mesh.logsafe import clean
 from mesh.pipeline import ChainPipeline, HubPipeline, Pipeline, generate
 from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
 from mesh.registry import Member, Registry
@@ -30,6 +32,7 @@ from mesh.registry import Member, Registry
 log = logging.getLogger("mesh.coord")
 RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
 SINK_GRACE = 6.0             # a dead stage's control link fails within a heartbeat window (5 s) of its death
+HANDSHAKE_SECONDS = 10.0     # a connection to the sink must authenticate within this
 RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s
 
 
@@ -50,11 +53,17 @@ class CoordConfig:
     n_slots: int = 4
     max_context: int = 2048
     warmup: int = 1                    # decode widths the local stage compiles at load (Worker.load); 0: none
+    identity: str = ""                 # the model's content identity (mesh.identity); "" = computed from `model`
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
-    return StageReport(m.name, ev.start, ev.end, ev.total_layers, ev.memory_mb, ev.pinned, ev.fingerprint,
-                       ev.backend, ev.loaded)
+    return StageReport(m.name, ev.start, ev.end, ev.total_layers, ev.memory_mb, ev.pinned, clean(ev.fingerprint),
+                       clean(ev.backend), ev.loaded)
+
+
+def _memo_dir(kind: str) -> Path:
+    from mesh.shipping import default_cache_dir
+    return default_cache_dir() / kind
 
 
 async def _rpc_all(members: list[Member], make: Callable[[Member], object], expect) -> list:
@@ -80,9 +89,11 @@ class Fleet:
         self.cfg = cfg
         self.registry = registry
         self.meta = read_model_meta(cfg.model)
+        self.identity = cfg.identity or model_identity(cfg.model, _memo_dir("identities"))
         self.tokenizer = tokenizer
         self.members: list[Member] = []
         self.local = None
+        self._plans: dict[tuple[int, int], object] = {}
 
     @property
     def first_layer(self) -> int:
@@ -94,9 +105,9 @@ class Fleet:
         infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
         reports = [_info_report(m, ev) for m, ev in zip(members, infos)]
         for r in reports:  # a peer that holds its own model must hold ours
-            if r.fingerprint and r.fingerprint != self.meta.fingerprint:
-                raise FleetError(f"{r.name} holds a different model (fingerprint {r.fingerprint[:16]}, "
-                                 f"the coordinator's {self.cfg.model.name} is {self.meta.fingerprint[:16]})")
+            if r.fingerprint and r.fingerprint != self.identity:
+                raise FleetError(f"{r.name} holds a different model (identity {r.fingerprint[:16]}, "
+                                 f"the coordinator's {self.cfg.model.name} is {self.identity[:16]})")
         ranges = self._keep_loaded(reports)
         if ranges is None:
             try:
@@ -106,49 +117,65 @@ class Fleet:
         if any(not r.pinned for r in reports) and ranges != [(r.start, r.end) for r in reports]:
             log.info("auto-split: layers %d..%d over %d peers -> %s", self.first_layer, self.meta.n_layers,
                      len(members), ", ".join(f"{a}..{b}" for a, b in ranges))
+        digests = [await self._digest(r) if not rep.pinned else b"" for r, rep in zip(ranges, reports)]
         acks = await _rpc_all(members, lambda m: proto.Load(*ranges[members.index(m)], self.meta.n_layers,
-                                                            self.meta.fingerprint), proto.Ack)
+                                                            self.identity, digests[members.index(m)]), proto.Ack)
         for m, r, ack in zip(members, ranges, acks):
             if ack.code == LC.NEED_WEIGHTS:
                 await self._ship(m, r)
             elif ack.code == LC.WRONG_CHECKPOINT:
-                raise FleetError(f"{m.name} holds a different model: {ack.reason}")
+                raise FleetError(f"{m.name} holds a different model: {clean(ack.reason)}")
             elif ack.code != LC.OK:
-                raise FleetError(f"{m.name} could not load layers {r[0]}..{r[1]}: {ack.reason}")
+                raise FleetError(f"{m.name} could not load layers {r[0]}..{r[1]}: {clean(ack.reason)}")
         infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
         order = sorted(range(len(members)), key=lambda i: infos[i].start)
         self.members = [members[i] for i in order]
         try:
             return validate_chain(self.first_layer, [_info_report(members[i], infos[i]) for i in order],
-                                  self.meta.fingerprint)
+                                  self.identity)
         except PlanError as exc:
             raise FleetError(str(exc)) from None
 
     def _keep_loaded(self, reports: list[StageReport]) -> list[tuple[int, int]] | None:
         """The ranges the peers already hold, if they already form a valid chain of this model: a fleet that
         re-forms (the next session, a restarted coordinator) keeps its layout instead of reshuffling and reloading."""
-        if not all(r.loaded and r.fingerprint == self.meta.fingerprint for r in reports):
+        if not all(r.loaded and r.fingerprint == self.identity for r in reports):
             return None
         order = sorted(reports, key=lambda r: r.start)
         try:
-            validate_chain(self.first_layer, order, self.meta.fingerprint)
+            validate_chain(self.first_layer, order, self.identity)
         except PlanError:
             return None
         return [(r.start, r.end) for r in reports]
 
+    def _plan(self, r: tuple[int, int]):
+        """The range file this coordinator ships for layers r: it names the model by its content identity."""
+        from engine.gguf_range import plan_range_gguf
+        key = tuple(r)
+        if key not in self._plans:
+            self._plans[key] = plan_range_gguf(self.cfg.model, r[0], r[1], fingerprint=self.identity)
+        return self._plans[key]
+
+    async def _digest(self, r: tuple[int, int]) -> bytes:
+        """SHA-256 of the range file for r, sent with the Load so a peer checks its cached copy byte for byte.
+        Remembered on disk (RangePlan.sha256's memo), so a re-formed or restarted coordinator does not re-read it."""
+        plan = await trio.to_thread.run_sync(self._plan, r)
+        return await trio.to_thread.run_sync(plan.sha256, _memo_dir("digests"))
+
     async def _ship(self, m: Member, r: tuple[int, int]) -> None:
-        from mesh.shipping import default_cache_dir, ship_range
+        from mesh.shipping import ship_range
         log.info("%s has no model: shipping layers %d..%d", m.name, *r)
         # The memo keeps the range file's SHA-256, so a restarted coordinator resumes without re-reading the range.
-        await ship_range(m.link, self.cfg.model, r[0], r[1], label=m.name, digest_memo=default_cache_dir() / "digests")
-        await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.meta.fingerprint))
+        plan = await trio.to_thread.run_sync(self._plan, r)
+        await ship_range(m.link, plan, label=m.name, digest_memo=_memo_dir("digests"))
+        await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.identity, await self._digest(r)))
         try:
             ack = await m.link.receive()
         except LinkError as exc:
             raise FleetError(f"{m.name}: {exc}") from None
         if not isinstance(ack, proto.Ack) or ack.code != proto.LoadCode.OK:
             raise FleetError(f"{m.name} still cannot load layers {r[0]}..{r[1]} after shipping: "
-                             f"{getattr(ack, 'reason', type(ack).__name__)}")
+                             f"{clean(getattr(ack, 'reason', type(ack).__name__))}")
 
     async def send_vocab(self) -> None:
         vocab = proto.Vocab(tuple(self.tokenizer.token_bytes(i) for i in range(self.tokenizer.vocab_size)))
@@ -160,12 +187,18 @@ class Fleet:
 
 
 async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The return sink: accept only an authenticated dial, pass its Done messages on."""
+    """The return sink: a link like the others. Only a connection that passed the handshake can touch the session:
+    one that fails it (garbage, a half handshake, a wrong token, a port scanner) is logged and dropped, and the
+    answer being streamed goes on. Only the end of an authenticated hop is reported to the session."""
+    gate = PreAuthGate()
+
     async def handler(stream):
         who = transport.remote_host(stream)
+        authenticated = False
         try:
-            with trio.fail_after(10) as handshake:
-                async with open_link(stream, token=token, role="server") as link:
+            with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
+                async with open_link(stream, token=token, role="server", gate=gate) as link:
+                    authenticated = True
                     handshake.deadline = math.inf
                     while True:
                         try:
@@ -178,8 +211,11 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
                             except trio.WouldBlock:
                                 await send_channel.send(ev)
         except trio.TooSlowError:
-            log.warning("sink: %s sent no handshake", who)
+            log.warning("sink: a connection from %s sent no handshake within %.0fs; dropped", who, HANDSHAKE_SECONDS)
         except (LinkError, proto.ProtoError, transport.TransportError) as exc:
+            if not authenticated:
+                log.warning("sink: refused a connection from %s: %s", who, exc)
+                return
             log.info("sink: hop from %s ended: %s", who, exc)
             await send_channel.send(_SinkEnded(f"the sink hop from {who} ended: {exc}"))
     await transport.serve_listener(host, 0, handler, task_status=task_status)
@@ -245,7 +281,7 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
             raise HopError(f"hop {k + 1}: {m.name} is gone: {exc}") from None
         if isinstance(ack, proto.Ack) and ack.code == 0:
             return
-        direct_error = getattr(ack, "reason", type(ack).__name__)
+        direct_error = clean(getattr(ack, "reason", type(ack).__name__))
         if sink or not fleet.cfg.auto_webrtc:
             raise HopError(f"hop {k + 1} ({m.name} -> {'sink' if sink else addr}): {direct_error}")
     nxt = fleet.members[k + 1]
@@ -264,6 +300,8 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
 
 class Coordinator:
     def __init__(self, cfg: CoordConfig, *, out=None, err=None):
+        if not cfg.identity:    # hashed once per file (then remembered), before any peer's link needs the loop
+            cfg = replace(cfg, identity=model_identity(cfg.model, _memo_dir("identities")))
         self.cfg = cfg
         self.tokenizer = Tokenizer.from_gguf(cfg.model)
         self.registry = Registry(cfg.token)

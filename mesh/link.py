@@ -10,6 +10,11 @@ keeps three tasks in its own nursery for as long as the link lives:
 - the watchdog declares the peer dead when nothing at all arrived for `dead_after` and closes the stream, which also
   wakes any send stuck on a peer that stopped reading.
 
+The handshake (mesh/proto/auth.py) is bounded before it authenticates: frames of at most HANDSHAKE_MAX_FRAME bytes,
+small reads, and, on a listener, a `PreAuthGate` capping how many connections may be authenticating at once. Every
+frame after Hello/Welcome is sealed (mesh/proto/seal.py). Text the peer sends (an Error's reason) reaches our
+exceptions escaped and truncated (`mesh.logsafe.clean`).
+
 Failures never cancel the caller: they are recorded, and the next `send()`/`receive()` raises them. Events already
 queued are still delivered first. Frames are written whole: a cancelled `send()` gives up only before its first
 byte went out, because a half-written frame would desynchronize the peer for good.
@@ -26,10 +31,15 @@ import trio
 
 from mesh import proto
 from mesh.errors import single_errors
+from mesh.logsafe import clean
 from mesh.proto import flow_controlled, frame_cost
 
 DEFAULT_WINDOW = 8 * 1024 * 1024
 RECEIVE_SIZE = 256 * 1024
+HANDSHAKE_READ = 4096
+"""Bytes read at a time before the peer authenticated: a stranger's bytes never take more than this plus one frame."""
+PREAUTH_LIMIT = 32
+"""Connections one listener lets authenticate at once (`PreAuthGate`); more are closed at once."""
 CLOSE_GRACE = 1.0
 """How long a closing link waits to get its final Error or Shutdown frame out before it closes the stream anyway."""
 
@@ -65,6 +75,21 @@ class ProtocolViolation(_Coded):
     """The peer's bytes broke the protocol; we sent it Error(code, reason) and closed this link."""
 
 
+class GateFull(LinkError):
+    """A listener's PreAuthGate is full: the connection was closed before its handshake."""
+
+
+class PreAuthGate:
+    """How many connections of one listener are between accept and a finished handshake. A connection over the
+    limit is closed at once: the cap bounds what strangers can hold (tasks, sockets, buffers), and an honest peer
+    that lost the race simply dials again."""
+
+    def __init__(self, limit: int = PREAUTH_LIMIT) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.refused = 0
+
+
 Role = Literal["client", "server"]
 
 
@@ -78,8 +103,9 @@ class Link:
         self.stream = stream
         self.role = role
         self.peer_version: int | None = None
-        self._codec = proto.Codec(max_frame=max_frame)
-        self._flow = proto.FlowWindow(window, max_frame)
+        self._max_frame = max_frame
+        self._codec = proto.Codec(max_frame=min(max_frame, proto.HANDSHAKE_MAX_FRAME))   # raised once authenticated
+        self._flow = proto.FlowWindow(window, max_frame + proto.SEAL_OVERHEAD)
         self._ping_interval, self._dead_after = ping_interval, dead_after
         self._liveness: proto.Liveness | None = None
         self._send_lock = trio.StrictFIFOLock()
@@ -107,15 +133,15 @@ class Link:
         self._raise_if_failed()
         if self._sent_shutdown:
             raise LinkClosed("this side already sent Shutdown")
-        parts = self._codec.send_parts(event)  # a bulk payload stays a buffer of its own: framing does not copy it
+        prepared = self._codec.prepare(event)   # a bulk payload stays a buffer of its own: framing does not copy it
         if flow_controlled(event.TYPE):
             while not self._flow.can_send():
                 await self._credit_lot.park()
                 self._raise_if_failed()
-            self._flow.on_sent(frame_cost(sum(map(len, parts))))
+            self._flow.on_sent(frame_cost(prepared.size))
         if isinstance(event, proto.Shutdown):
             self._sent_shutdown = True
-        await self._write(*parts)
+        await self._write(prepared)
 
     async def receive(self) -> proto.Event:
         """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
@@ -129,7 +155,7 @@ class Link:
             self._credit_owed += update.credit
             self._wake_control.set()
         if isinstance(event, proto.Error):
-            raise RemoteError(event.code, event.reason)
+            raise RemoteError(event.code, clean(event.reason))
         return event
 
     async def wait_failed(self) -> LinkError:
@@ -162,8 +188,9 @@ class Link:
         self._credit_lot.unpark_all()
         self._failed.set()
 
-    async def _write(self, *parts: bytes) -> None:
-        """Write one frame (given as consecutive buffers), whole."""
+    async def _write(self, *frames: proto.codec.Prepared) -> None:
+        """Write prepared frames, each whole. They are sealed here, under the lock, so frame counters follow the
+        order in which frames reach the wire."""
         # Uncontended (the usual case) the lock is taken without a trip through the scheduler: on a decode step
         # every such trip is a visible share of a hop's round trip.
         try:
@@ -175,6 +202,7 @@ class Link:
             # Shielded: a frame goes out whole or not at all, because a torn frame desynchronizes the peer for
             # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
             # background task does on any failure (the watchdog's LinkDead included) and on close.
+            parts = [part for f in frames for part in self._codec.frame(f)]
             with trio.CancelScope(shield=True):
                 for data in parts:
                     await self.stream.send_all(data)
@@ -198,19 +226,25 @@ class Link:
             while not machine.done:
                 event = await self._next_handshake_event()
                 if isinstance(event, proto.Error):
-                    raise AuthFailed(event.code, f"the peer refused the handshake: {event.reason}")
+                    raise AuthFailed(event.code, f"the peer refused the handshake: {clean(event.reason)}")
                 replies = machine.receive(event)
+                keys = machine.keys
+                if self.role == "client" and keys is not None and not self._codec.sealed:
+                    self._codec.seal(keys.send, keys.receive)   # the client's proof already travels sealed
                 if machine.done:
+                    self._codec.max_frame = self._max_frame
                     self._liveness = proto.Liveness(trio.current_time(), ping_interval=self._ping_interval,
                                                     dead_after=self._dead_after)
                     replies.append(self._flow.initial_update())
                 if replies:
-                    await self._write_raw(replies)
+                    await self._write_raw(replies, keys)
         except proto.AuthError as exc:
             await self._send_final(proto.Error(exc.code, exc.reason))
             raise AuthFailed(exc.code, exc.reason) from None
         except proto.ProtocolError as exc:
             await self._send_final(proto.Error(exc.code, exc.reason))
+            if exc.code == proto.ErrorCode.AUTH_FAILED:       # a sealed frame that does not open: another token
+                raise AuthFailed(exc.code, f"fleet token mismatch ({exc.reason})") from None
             raise ProtocolViolation(exc.code, exc.reason) from None
         self.peer_version = machine.version
         self._codec.version = machine.version  # every later frame carries the negotiated version
@@ -223,14 +257,22 @@ class Link:
             if event is not proto.NEED_DATA:
                 return event  # type: ignore[return-value]
             try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
+                data = await self.stream.receive_some(HANDSHAKE_READ)
             except trio.BrokenResourceError as exc:
                 raise LinkClosed(f"connection lost during the handshake: {exc}") from exc
             self._codec.receive_data(data)
 
-    async def _write_raw(self, events: list[proto.Event]) -> None:
+    async def _write_raw(self, events: list[proto.Event], keys: proto.LinkKeys | None = None) -> None:
+        """Handshake frames, in one write (a peer on an unbuffered pipe reads them all before it answers). The
+        server's Welcome is its last frame in the clear: whatever follows it is sealed."""
+        data = []
+        for event in events:
+            data.append(self._codec.send(event))
+            if isinstance(event, proto.Welcome):
+                assert keys is not None
+                self._codec.seal(keys.send, keys.receive)
         try:
-            await self.stream.send_all(b"".join(self._codec.send(e) for e in events))
+            await self.stream.send_all(b"".join(data))
         except trio.BrokenResourceError as exc:
             raise LinkClosed(f"connection lost during the handshake: {exc}") from exc
 
@@ -332,7 +374,7 @@ class Link:
                 owed.append(ping)
             if owed:
                 try:
-                    await self._write(b"".join(self._codec.send(e) for e in owed))
+                    await self._write(*map(self._codec.prepare, owed))
                 except LinkError:
                     return
             with trio.move_on_at(liveness.next_ping_at):
@@ -348,22 +390,32 @@ class Link:
 
 @asynccontextmanager
 async def open_link(stream: trio.abc.Stream, *, token: bytes | None, role: Role, window: int = DEFAULT_WINDOW,
-                    max_frame: int = proto.MAX_FRAME, ping_interval: float = 1.0,
-                    dead_after: float = 5.0) -> AsyncIterator[Link]:
+                    max_frame: int = proto.MAX_FRAME, ping_interval: float = 1.0, dead_after: float = 5.0,
+                    gate: PreAuthGate | None = None) -> AsyncIterator[Link]:
     """Handshake on `stream`, then yield a running Link; on exit say Shutdown and close the stream.
 
-    Raises AuthFailed, ProtocolViolation or LinkClosed if the handshake fails (the stream is closed then too).
+    Raises AuthFailed, ProtocolViolation or LinkClosed if the handshake fails (the stream is closed then too), and
+    GateFull when `gate` (a listener's cap on connections still authenticating) is full.
     `window` is how many bytes of flow-controlled frames this side is willing to buffer from the peer.
     """
     if not 0 < ping_interval < dead_after or not math.isfinite(dead_after):
         raise ValueError(f"need 0 < ping_interval ({ping_interval}) < dead_after ({dead_after}) < inf")
+    if gate is not None and gate.pending >= gate.limit:
+        gate.refused += 1
+        await trio.aclose_forcefully(stream)
+        raise GateFull(f"{gate.pending} connections are already authenticating; closed this one")
     link = Link(stream, role=role, window=window, max_frame=max_frame, ping_interval=ping_interval,
                 dead_after=dead_after)
+    if gate is not None:
+        gate.pending += 1
     try:
         await link._handshake(token)
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
+    finally:
+        if gate is not None:
+            gate.pending -= 1
     # The background task records failures instead of raising, so whatever leaves this nursery came from the
     # caller's body: hand it back as itself, not wrapped in an exception group that `except LinkError` would miss.
     with single_errors():

@@ -24,7 +24,9 @@ from engine.worker import open_worker
 from mesh import proto
 from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
 from mesh.errors import HopError, MeshError, single_errors
-from mesh.link import AuthFailed, LinkClosed, LinkError, RemoteError, open_link
+from mesh.identity import model_identity, verify_file
+from mesh.link import AuthFailed, LinkClosed, LinkError, PreAuthGate, RemoteError, open_link
+from mesh.logsafe import clean
 from mesh.report import DonorReport
 
 log = logging.getLogger("mesh.peer")
@@ -47,6 +49,7 @@ class PeerConfig:
     warmup: int = 1                    # decode widths compiled at load (Worker.load); 0: each shape on first use
     report_every: float = 5.0
     rejoin_max_delay: float = 5.0
+    retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
 
 
@@ -66,6 +69,8 @@ class Peer:
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.meta = read_model_meta(cfg.model) if cfg.model else None
+        # The fleet names a model by its content (mesh.identity): hashed once per file, then remembered.
+        self.identity = model_identity(cfg.model, self._cache_root() / "identities") if cfg.model else ""
         self.worker = None
         self.loaded: tuple[int, int] | None = None
         self.loaded_fingerprint = ""
@@ -79,6 +84,7 @@ class Peer:
         self.rtc = None                     # signaling.RtcEndpoint, created on the first Signal
         self.nursery = None                 # the peer's lifetime nursery: inbound lanes, the WebRTC endpoint
         self.inbound: set[trio.CancelScope] | None = None   # the current session's inbound hops; None between
+        self.gate = PreAuthGate()           # inbound hops still authenticating
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -88,6 +94,7 @@ class Peer:
             self.backend = f"{worker.ready.device}" if worker.ready else ""
             if self.cfg.layers:
                 await self._load(self.cfg.model, *self.cfg.layers)
+                self.loaded_fingerprint = self.identity
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 self.listen_port = await nursery.start(transport.serve_listener, host or "0.0.0.0", int(port or 0),
@@ -99,15 +106,18 @@ class Peer:
 
     async def _join_loop(self) -> None:
         delay = 0.25
+        unreachable_since: float | None = None      # when the coordinator was last reachable, if it is not now
         while True:
+            why = ""
             try:
                 with trio.fail_after(HANDSHAKE_SECONDS):
                     stream = await transport.dial(self.cfg.join)
             except trio.TooSlowError:
-                log.warning("coordinator %s: no answer to our dial; retrying in %.1fs", self.cfg.join, delay)
+                why = "no answer to our dial"
             except transport.DialError as exc:
-                log.warning("coordinator %s unreachable: %s; retrying in %.1fs", self.cfg.join, exc.reason, delay)
+                why = exc.reason
             else:
+                unreachable_since = None
                 try:
                     await self._session(stream)
                     delay = 0.25
@@ -116,6 +126,13 @@ class Peer:
                     raise AuthRefused(f"coordinator {self.cfg.join} refused us: {exc}") from None
                 except (LinkError, transport.TransportError, HopError) as exc:
                     log.warning("session with coordinator %s ended: %s", self.cfg.join, exc)
+            if why:
+                now = trio.current_time()
+                unreachable_since = now if unreachable_since is None else unreachable_since
+                if self.cfg.retry_for is not None and now - unreachable_since + delay > self.cfg.retry_for:
+                    raise MeshError(f"coordinator {self.cfg.join} unreachable for {now - unreachable_since:.0f}s "
+                                    f"(--retry-for {self.cfg.retry_for:g}): {why}")
+                log.warning("coordinator %s unreachable: %s; retrying in %.1fs", self.cfg.join, why, delay)
             await trio.sleep(delay)
             delay = min(delay * 2, self.cfg.rejoin_max_delay)
 
@@ -164,7 +181,7 @@ class Peer:
     async def _serve_hop(self, stream, peer: str) -> None:
         try:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
-                async with open_link(stream, token=self.cfg.token, role="server") as link:
+                async with open_link(stream, token=self.cfg.token, role="server", gate=self.gate) as link:
                     handshake.deadline = math.inf
                     with single_errors():
                         async with trio.open_nursery() as lane:
@@ -232,7 +249,7 @@ class Peer:
 
     def _info(self) -> proto.Info:
         start, end = self.loaded or (0, 0)
-        fp = self.loaded_fingerprint or (self.meta.fingerprint if self.meta else "")
+        fp = self.loaded_fingerprint or self.identity
         total = self.loaded_total or (self.meta.n_layers if self.meta else 0)
         return proto.Info(start, end, total, self.cfg.memory_mb, self.cfg.layers is not None, fp,
                           self.backend, self.loaded is not None)
@@ -256,20 +273,30 @@ class Peer:
         if self.cfg.layers and (ev.start, ev.end) != self.cfg.layers:
             return LC.FAIL, f"pinned to layers {self.cfg.layers[0]}..{self.cfg.layers[1]}"
         if self.meta is not None:
-            if self.meta.fingerprint != ev.fingerprint:
-                return LC.WRONG_CHECKPOINT, (f"local model {self.cfg.model} has fingerprint {self.meta.fingerprint[:16]}, "
-                                             f"the fleet's is {ev.fingerprint[:16]}")
+            if self.identity != ev.fingerprint:
+                return LC.WRONG_CHECKPOINT, (f"local model {self.cfg.model} is {self.identity[:16]}, "
+                                             f"the fleet's is {clean(ev.fingerprint[:16])}")
             path = self.cfg.model
         else:
             path = self._cache_entry(ev.fingerprint, ev.start, ev.end)
             if path is None:
                 return LC.NEED_WEIGHTS, "no local model; ship layers"
+            if not ev.sha256:
+                return LC.NEED_WEIGHTS, "no digest came with the Load to check the cached layers by; ship them"
+            # Checked byte for byte on every load: a flipped bit changes neither size nor mtime.
+            if not await trio.to_thread.run_sync(verify_file, path, ev.sha256):
+                log.warning("cached layers %d..%d (%s) do not match the coordinator's digest: corrupt or altered; "
+                            "removed, to be shipped again", ev.start, ev.end, path)
+                path.unlink(missing_ok=True)
+                return LC.NEED_WEIGHTS, f"cached layers {ev.start}..{ev.end} failed their digest check; ship them"
         async with self.compute:
             try:
                 await self._load(path, ev.start, ev.end)
             except Exception as exc:
                 log.error("load of layers %d..%d failed: %s", ev.start, ev.end, exc)
                 return LC.FAIL, str(exc)[:500]
+        if self.meta is not None:
+            self.loaded_fingerprint = self.identity     # the worker reports the header's fingerprint
         return LC.OK, ""
 
     def _cache_root(self) -> Path:

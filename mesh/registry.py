@@ -16,7 +16,8 @@ import trio
 import transport
 from mesh import proto
 from mesh.errors import FleetError
-from mesh.link import AuthFailed, LinkError, open_link
+from mesh.link import AuthFailed, LinkError, PreAuthGate, open_link
+from mesh.logsafe import clean
 
 log = logging.getLogger("mesh.registry")
 HANDSHAKE_SECONDS = 10.0
@@ -58,6 +59,7 @@ class Registry:
         self.members: list[Member] = []
         self._joined = 0
         self._changed = trio.Event()
+        self.gate = PreAuthGate()
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await transport.serve_listener(host, port, self._admit, task_status=task_status)
@@ -66,7 +68,7 @@ class Registry:
         host = transport.remote_host(stream) or "?"
         try:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
-                async with open_link(stream, token=self.token, role="server") as link:
+                async with open_link(stream, token=self.token, role="server", gate=self.gate) as link:
                     first = await link.receive()
                     handshake.deadline = math.inf
                     if not isinstance(first, proto.Join):
@@ -74,6 +76,13 @@ class Registry:
                                                     f"expected Join, got {type(first).__name__}"))
                         log.warning("refused %s: first message was %s, not Join", host, type(first).__name__)
                         return
+                    if first.advertise:
+                        try:
+                            transport.parse_addr(first.advertise)
+                        except transport.AddressError as exc:
+                            await link.send(proto.Error(proto.ErrorCode.BAD_REQUEST, f"Join.advertise: {exc}"))
+                            log.warning("refused %s: %s", host, clean(exc))
+                            return
                     self._joined += 1
                     member = Member(link, host, first, self._joined)
                     self._add(member)
@@ -96,7 +105,7 @@ class Registry:
 
     def _add(self, m: Member) -> None:
         self.members.append(m)
-        log.info("%s joined (hops at %s, %d MB); %d in the pool", m.name, m.hop_addr, m.join.memory_mb,
+        log.info("%s joined (hops at %s, %d MB); %d in the pool", m.name, clean(m.hop_addr), m.join.memory_mb,
                  len(self.members))
         self._notify()
 

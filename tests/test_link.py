@@ -52,7 +52,12 @@ class Raw:
         hs = p.ServerHandshake(token, secrets.token_bytes(32))
         while not hs.done:
             replies = hs.receive(await self.receive())
-            await self.send(*replies, *([p.WindowUpdate(1 << 20)] if hs.done else []))
+            out = b""
+            for reply in [*replies, *([p.WindowUpdate(1 << 20)] if hs.done else [])]:
+                out += self.codec.send(reply)
+                if isinstance(reply, p.Welcome):   # the last frame in the clear: everything after it is sealed
+                    self.codec.seal(hs.keys.send, hs.keys.receive)
+            await self.stream.send_all(out)
         await self.receive_until(p.WindowUpdate)  # the client's grant ends its handshake
 
     async def receive_until(self, cls):
@@ -63,7 +68,7 @@ class Raw:
 
 async def test_events_both_ways_and_clean_close():
     async with link_pair() as (client, server):
-        assert client.peer_version == server.peer_version == 1
+        assert client.peer_version == server.peer_version == p.PROTOCOL_VERSION
         act = p.Activation("f32", (1, 2), b"\x00\x00\x80\x3f\x00\x00\x00\xc0")
         await client.send(p.Step(1, 0, 5, (), act))
         assert await server.receive() == p.Step(1, 0, 5, (), act)
@@ -112,7 +117,9 @@ async def _handshake_outcome(client_token, server_token):
 async def test_wrong_token_fails_on_both_sides():
     out = await _handshake_outcome(b"not the fleet token", TOKEN)
     assert out["client"].code == p.ErrorCode.AUTH_FAILED and "mismatch" in out["client"].reason
-    assert out["server"].code == p.ErrorCode.AUTH_FAILED and "refused" in out["server"].reason
+    # The client proves first: its sealed proof does not open with the server's key, and the server's sealed refusal
+    # does not open with the client's.
+    assert out["server"].code == p.ErrorCode.AUTH_FAILED and "mismatch" in out["server"].reason
 
 
 async def test_missing_token_on_the_client():
@@ -156,16 +163,20 @@ async def test_recorded_handshake_replayed_on_a_new_connection_fails():
         nursery.start_soon(server)
         async with open_link(rec, token=TOKEN, role="client"):
             pass
-    hello_and_proof = rec.sent[: rec.sent.index(bytes([1, p.MsgType.WINDOW_UPDATE]))]
+    # The client's first two frames: Hello (clear) and its sealed AuthProof.
+    hello_len = HEADER.size + HEADER.unpack_from(rec.sent)[3]
+    proof_len = HEADER.size + HEADER.unpack_from(rec.sent, hello_len)[3]
+    hello_and_proof = rec.sent[:hello_len + proof_len]
+    assert HEADER.unpack_from(rec.sent, hello_len)[1] == p.MsgType.SEALED
 
     left, right = trio.testing.memory_stream_pair()
     await left.send_all(hello_and_proof)  # a memory stream buffers it all
-    with pytest.raises(AuthFailed, match="mismatch"):
+    with pytest.raises(AuthFailed, match="mismatch"):   # a fresh key exchange: the old proof does not even open
         async with open_link(right, token=TOKEN, role="server"):
             pass
     raw = Raw(left)
-    err = await raw.receive_until(p.Error)
-    assert err.code == p.ErrorCode.AUTH_FAILED and TOKEN not in hello_and_proof
+    assert isinstance(await raw.receive(), p.Welcome)
+    assert TOKEN not in hello_and_proof
 
 
 async def test_non_auth_first_message_on_a_tokened_fleet():
@@ -236,7 +247,7 @@ async def test_slow_reader_blocks_the_writer_at_the_window(autojump_clock):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
             await trio.sleep(10)  # virtual; the reader does not read
-            frame = len(p.Codec().send(p.ShipChunk(0, bytes(chunk))))
+            frame = len(p.Codec().send(p.ShipChunk(0, bytes(chunk)))) + p.SEAL_OVERHEAD
             assert 0 < sent < 200
             assert (sent - 1) * frame < window <= sent * frame  # stopped at the window, overshoot < one frame
             assert server._flow.buffered() == sent * frame <= window + frame
@@ -251,7 +262,7 @@ async def test_peer_overrunning_its_credit_is_cut_off():
         nursery.start_soon(raw.handshake_as_server)
         async with open_link(left, token=TOKEN, role="client", window=4096, max_frame=4096) as link:
             await raw.send(*[p.ShipChunk(0, bytes(1000)) for _ in range(10)])  # granted 4096
-            for _ in range(8):  # what fits in window + one frame is delivered
+            for _ in range(7):  # what fits in window + one frame is delivered (sealed frames of 1037 bytes)
                 await link.receive()
             with pytest.raises(ProtocolViolation) as exc:
                 await link.receive()
@@ -262,8 +273,8 @@ async def test_peer_overrunning_its_credit_is_cut_off():
 
 async def test_garbage_mid_link_closes_that_link_only():
     async with link_pair() as (a_client, a_server), link_pair() as (b_client, b_server):
-        await a_client.stream.send_all(HEADER.pack(1, 250, 0, 0))  # unknown type, under the link's feet
-        with pytest.raises(ProtocolViolation, match="unknown message type 250"):
+        await a_client.stream.send_all(HEADER.pack(p.PROTOCOL_VERSION, 250, 0, 0))  # a clear frame, under its feet
+        with pytest.raises(ProtocolViolation, match="in the clear on a sealed connection"):
             await a_server.receive()
         with pytest.raises((RemoteError, LinkClosed)):
             await a_client.receive()
@@ -273,7 +284,7 @@ async def test_garbage_mid_link_closes_that_link_only():
 
 async def test_handshake_messages_after_the_handshake_are_refused():
     async with link_pair() as (client, server):
-        await client.send(p.Hello(1, 1, bytes(32), False))
+        await client.send(p.Hello(2, 2, bytes(32), bytes(32), False))
         with pytest.raises(ProtocolViolation, match="Hello after the handshake"):
             await server.receive()
 

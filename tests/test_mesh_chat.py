@@ -13,6 +13,8 @@ from engine.worker import open_worker
 from mesh.pipeline import LocalPipeline, generate
 from tests.mesh_fixtures import free_port, mesh_cmd, processes, write_tiny_chat_model
 
+TOKEN = "chat-fleet-token-0123456789"
+
 pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 600
@@ -43,10 +45,11 @@ def test_chat_survives_a_peer_that_disappears_mid_answer(model):
     port = free_port()
     with processes() as start:
         peers = [start(mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--model", str(model),
-                                "--warmup", "0"),  # compiling at load costs a tiny worker ~10 s; not tested here
+                                "--warmup", "0", "--token", TOKEN),  # compiling at load costs a tiny worker ~10 s; not tested here
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(3)]
         coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--min-peers", "3",
-                               "--settle", "0.5", "--wait", "120", "--template", "raw", "--max-tokens", str(MAX_TOKENS)),
+                               "--settle", "0.5", "--wait", "120", "--template", "raw", "--max-tokens", str(MAX_TOKENS),
+                               "--token", TOKEN),
                       stdin=subprocess.PIPE)
         coord.stdin.write(PROMPT.encode() + b"\n")
         coord.stdin.flush()

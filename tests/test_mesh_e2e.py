@@ -47,8 +47,7 @@ def peer(start, port: int, *args: str, token: str | None = None, model: Path | N
     # compiling the step shapes at load costs a tiny model's worker ~10 s; one test keeps it (the default path)
     cmd = mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", *args,
                    *(() if warmup else ("--warmup", "0")))
-    if token:
-        cmd += ["--token", token]
+    cmd += ["--token", token] if token else ["--insecure-open"]
     if model:
         cmd += ["--model", str(model)]
     # Logs go to a file, not a pipe nobody reads (a full pipe would stall the peer); kept for a failing test's report.
@@ -60,7 +59,7 @@ def peer(start, port: int, *args: str, token: str | None = None, model: Path | N
 def coord_args(*extra: str, token: str | None = None, peers: int = 3) -> list[str]:
     args = ["--min-peers", str(peers), "--settle", "0.3", "--wait", "120", "--prompt", PROMPT, "--template", "raw",
             "--max-tokens", str(MAX_TOKENS), *extra]
-    return args + (["--token", token] if token else [])
+    return args + (["--token", token] if token else ["--insecure-open"])
 
 
 @pytest.mark.parametrize("chain, token, warmup", [("p2p", "s3cret", False), ("hub", None, False),

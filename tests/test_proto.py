@@ -16,10 +16,10 @@ from mesh.proto.codec import HEADER
 
 ACT = p.Activation("f16", (2, 3), bytes(range(12)))
 SAMPLES: list[p.Event] = [
-    p.Hello(1, 1, b"n" * 32, True),
-    p.Welcome(1, b"s" * 32, b"p" * 32),
+    p.Hello(2, 2, b"n" * 32, b"k" * 32, True),
+    p.Welcome(2, b"s" * 32, b"p" * 32),
     p.AuthProof(b"q" * 32),
-    p.AuthOk(),
+    p.AuthOk(b"q" * 32),
     p.Ping(2**64 - 1),
     p.Pong(7),
     p.WindowUpdate(1 << 20),
@@ -75,7 +75,7 @@ def drain(codec: p.Codec) -> list:
 
 def test_every_event_type_has_a_sample():
     assert {type(e) for e in SAMPLES} == set(p.ALL_EVENTS)
-    assert {cls.TYPE for cls in p.ALL_EVENTS} == set(p.MsgType)
+    assert {cls.TYPE for cls in p.ALL_EVENTS} == set(p.MsgType) - {p.MsgType.SEALED}   # SEALED only wraps
 
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
@@ -83,7 +83,7 @@ def test_round_trip(event):
     codec = p.Codec()
     data = codec.send(event)
     version, type_byte, flags, length = HEADER.unpack_from(data)
-    assert (version, type_byte, flags, length) == (1, event.TYPE, 0, len(data) - 8)
+    assert (version, type_byte, flags, length) == (p.PROTOCOL_VERSION, event.TYPE, 0, len(data) - 8)
     codec.receive_data(data)
     got = codec.next_event()
     assert got == event and type(got) is type(event)
@@ -94,7 +94,7 @@ def test_round_trip(event):
 
 
 def test_first_byte_is_never_websocket_g():
-    assert encode_all([p.Hello(1, 1, bytes(32), False)])[0] == 1 != ord("G")
+    assert encode_all([p.Hello(2, 2, bytes(32), bytes(32), False)])[0] == p.PROTOCOL_VERSION != ord("G")
 
 
 def test_byte_at_a_time_parses_the_same():
@@ -160,7 +160,7 @@ def test_activation_bytes_are_carried_bitwise():
 
 def test_oversized_length_rejected_from_the_header_alone():
     codec = p.Codec(max_frame=1024)
-    header = HEADER.pack(1, p.MsgType.SHIP_CHUNK, 0, 1025)
+    header = HEADER.pack(p.PROTOCOL_VERSION, p.MsgType.SHIP_CHUNK, 0, 1025)
     with pytest.raises(p.ProtocolError) as exc:
         codec.receive_data(header)  # no payload byte has arrived yet
     assert exc.value.code == p.ErrorCode.FRAME_TOO_LARGE and "1025" in exc.value.reason
@@ -172,7 +172,7 @@ def test_oversized_length_rejected_from_the_header_alone():
 def test_default_max_frame_rejects_4gib_announcement():
     codec = p.Codec()
     with pytest.raises(p.ProtocolError) as exc:
-        codec.receive_data(HEADER.pack(1, p.MsgType.STEP, 0, 0xFFFFFFFF))
+        codec.receive_data(HEADER.pack(p.PROTOCOL_VERSION, p.MsgType.STEP, 0, 0xFFFFFFFF))
     assert exc.value.code == p.ErrorCode.FRAME_TOO_LARGE
 
 
@@ -182,9 +182,10 @@ def test_send_refuses_frames_over_max():
 
 
 @pytest.mark.parametrize("header, code", [
-    (HEADER.pack(2, p.MsgType.PING, 0, 8), p.ErrorCode.UNSUPPORTED_VERSION),
-    (HEADER.pack(1, 200, 0, 0), p.ErrorCode.UNKNOWN_TYPE),
-    (HEADER.pack(1, p.MsgType.PING, 1, 8), p.ErrorCode.MALFORMED),
+    (HEADER.pack(1, p.MsgType.PING, 0, 8), p.ErrorCode.UNSUPPORTED_VERSION),
+    (HEADER.pack(p.PROTOCOL_VERSION, p.MsgType.SEALED, 0, 40), p.ErrorCode.UNEXPECTED),
+    (HEADER.pack(p.PROTOCOL_VERSION, 200, 0, 0), p.ErrorCode.UNKNOWN_TYPE),
+    (HEADER.pack(p.PROTOCOL_VERSION, p.MsgType.PING, 1, 8), p.ErrorCode.MALFORMED),
     (b"GET / HTTP/1.1\r\n", p.ErrorCode.UNSUPPORTED_VERSION),
 ])
 def test_bad_headers(header, code):
@@ -207,14 +208,14 @@ def test_bad_headers(header, code):
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 7, 1) + struct.pack("<I", 1), "dtype code"),
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 0, 2) + struct.pack("<II", 65536, 65536), "data"),
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 0, 9), "dimensions"),
-    (p.MsgType.LOAD, struct.pack("<IIII", 5, 3, 30, 0), "Load range"),
+    (p.MsgType.LOAD, struct.pack("<IIIII", 5, 3, 30, 0, 0), "Load range"),
     (p.MsgType.STEP, struct.pack("<IIIIB", 0, 0, 0, 0, 0) + struct.pack("<dIdQ", -1.0, 0, 1.0, 0), "temperature"),
     (p.MsgType.SHIP_END, struct.pack("<I", 3) + b"abc", "32 bytes"),
     (p.MsgType.VOCAB, struct.pack("<IHH", 2, 5, 5) + b"abc", "token bytes"),
 ])
 def test_malformed_payloads_name_the_problem(msg_type, payload, words):
     codec = p.Codec()
-    codec.receive_data(HEADER.pack(1, msg_type, 0, len(payload)) + payload)
+    codec.receive_data(HEADER.pack(p.PROTOCOL_VERSION, msg_type, 0, len(payload)) + payload)
     with pytest.raises(p.ProtocolError) as exc:
         codec.next_event()
     assert exc.value.code == p.ErrorCode.MALFORMED
@@ -293,7 +294,7 @@ def test_fuzz_mutated_frames(mutations, chunk, cut):
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(p.ALL_EVENTS), st.binary(max_size=200))
 def test_fuzz_payloads_per_type(cls, payload):
-    feed_bounded([HEADER.pack(1, cls.TYPE, 0, len(payload)) + payload])
+    feed_bounded([HEADER.pack(p.PROTOCOL_VERSION, cls.TYPE, 0, len(payload)) + payload])
 
 
 def test_proto_never_imports_trio():

@@ -1,12 +1,15 @@
-"""Handshake state machines and flow/liveness arithmetic, sans-IO."""
+"""Handshake state machines, sealed frames, and flow/liveness arithmetic, sans-IO."""
 from __future__ import annotations
 
 import pytest
 
 import mesh.proto as p
-from mesh.proto.auth import CLIENT_LABEL, SERVER_LABEL, proof
+from mesh.proto.auth import CLIENT_LABEL, SERVER_LABEL
+from mesh.proto.codec import HEADER
+from mesh.proto.seal import prove
 
 TOKEN = b"fleet-secret-0123456789abcdef"
+V = p.PROTOCOL_VERSION
 
 
 def nonce(ch: str) -> bytes:
@@ -43,29 +46,33 @@ def run(client: p.ClientHandshake, server: p.ServerHandshake) -> bytes:
 def test_mutual_auth_succeeds_and_token_never_travels():
     c, s = p.ClientHandshake(TOKEN, nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
     seen = run(c, s)
-    assert c.done and s.done and c.version == s.version == 1
+    assert c.done and s.done and c.version == s.version == V
     assert TOKEN not in seen and TOKEN[:8] not in seen
+    # one key per direction, the same on both ends
+    assert c.keys.send == s.keys.receive and c.keys.receive == s.keys.send and c.keys.send != c.keys.receive
 
 
-def test_open_fleet_needs_no_proofs():
+def test_open_fleet_needs_no_proofs_but_still_derives_keys():
     c, s = p.ClientHandshake(None, nonce("c")), p.ServerHandshake(None, nonce("s"))
     run(c, s)
-    assert c.done and s.done
+    assert c.done and s.done and c.keys.send == s.keys.receive
 
 
-def test_wrong_token_fails_at_the_client_first():
-    c, s = p.ClientHandshake(b"other token", nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
+def test_the_server_proves_nothing_before_the_client_did():
+    """A stranger that dials in gets a nonce and a public key: nothing to test token guesses against."""
+    s = p.ServerHandshake(TOKEN, nonce("s"))
+    (welcome,) = s.receive(p.Hello(V, V, nonce("c"), bytes(range(32)), True))
+    assert set(type(welcome).__dataclass_fields__) == {"version", "nonce", "public_key"}
     with pytest.raises(p.AuthError, match="fleet token mismatch") as exc:
+        s.receive(p.AuthProof(bytes(32)))
+    assert exc.value.code == p.ErrorCode.AUTH_FAILED and not s.done
+
+
+def test_wrong_token_fails_at_the_server_first():
+    c, s = p.ClientHandshake(b"other token", nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
+    with pytest.raises(p.AuthError, match="client's proof does not verify") as exc:
         run(c, s)
     assert exc.value.code == p.ErrorCode.AUTH_FAILED
-
-
-def test_wrong_client_proof_fails_at_the_server():
-    s = p.ServerHandshake(TOKEN, nonce("s"))
-    s.receive(p.Hello(1, 1, nonce("c"), True))
-    with pytest.raises(p.AuthError, match="fleet token mismatch") as exc:
-        s.receive(p.AuthProof(proof(b"guess", CLIENT_LABEL, nonce("c"), nonce("s"), 1)))
-    assert exc.value.code == p.ErrorCode.AUTH_FAILED and not s.done
 
 
 def test_missing_token_on_client():
@@ -82,11 +89,12 @@ def test_missing_token_on_server():
     assert exc.value.code == p.ErrorCode.AUTH_FAILED
 
 
-def test_client_rejects_a_server_that_skips_its_proof():
-    c = p.ClientHandshake(TOKEN, nonce("c"))
-    c.start()
-    with pytest.raises(p.AuthError, match="peer has none"):
-        c.receive(p.Welcome(1, nonce("s"), b""))
+def test_client_rejects_a_forged_server_proof():
+    c, s = p.ClientHandshake(TOKEN, nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
+    (welcome,) = s.receive(c.start())
+    c.receive(welcome)
+    with pytest.raises(p.AuthError, match="server's proof does not verify"):
+        c.receive(p.AuthOk(bytes(32)))
 
 
 def test_recorded_client_handshake_replayed_on_a_new_connection_fails():
@@ -94,30 +102,33 @@ def test_recorded_client_handshake_replayed_on_a_new_connection_fails():
     hello = c.start()
     (welcome,) = s.receive(hello)
     (auth_proof,) = c.receive(welcome)
-    assert s.receive(auth_proof) == [p.AuthOk()]
-    # An eavesdropper replays the client's two messages; the new connection's server picks a fresh nonce.
+    assert isinstance(s.receive(auth_proof)[0], p.AuthOk)
+    # An eavesdropper replays the client's two messages; the new server picks a fresh nonce and key.
     s2 = p.ServerHandshake(TOKEN, nonce("t"))
     s2.receive(hello)
     with pytest.raises(p.AuthError, match="mismatch"):
         s2.receive(auth_proof)
 
 
-def test_recorded_server_welcome_replayed_to_a_new_client_fails():
+def test_a_proof_cannot_be_reflected():
     c, s = p.ClientHandshake(TOKEN, nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
     (welcome,) = s.receive(c.start())
-    c2 = p.ClientHandshake(TOKEN, nonce("d"))
-    c2.start()
-    with pytest.raises(p.AuthError, match="mismatch"):
-        c2.receive(welcome)
+    (auth_proof,) = c.receive(welcome)
+    (ok,) = s.receive(auth_proof)
+    assert ok.proof != auth_proof.proof
+    c2, s2 = p.ClientHandshake(TOKEN, nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
+    (welcome2,) = s2.receive(c2.start())
+    c2.receive(welcome2)
+    with pytest.raises(p.AuthError):           # the client's own proof sent back as the server's
+        c2.receive(p.AuthOk(prove(c2.keys.client_proof, CLIENT_LABEL)))
+    assert prove(c2.keys.server_proof, SERVER_LABEL) != prove(c2.keys.client_proof, CLIENT_LABEL)
 
 
-def test_server_proof_cannot_be_reflected_as_client_proof():
+def test_a_low_order_public_key_is_refused():
     s = p.ServerHandshake(TOKEN, nonce("s"))
-    (welcome,) = s.receive(p.Hello(1, 1, nonce("c"), True))
-    with pytest.raises(p.AuthError):
-        s.receive(p.AuthProof(welcome.proof))
-    assert proof(TOKEN, SERVER_LABEL, nonce("c"), nonce("s"), 1) != proof(TOKEN, CLIENT_LABEL, nonce("c"),
-                                                                         nonce("s"), 1)
+    with pytest.raises(p.AuthError, match="X25519") as exc:
+        s.receive(p.Hello(V, V, nonce("c"), bytes(32), True))   # the all-zero point: a shared secret of zeros
+    assert exc.value.code == p.ErrorCode.MALFORMED
 
 
 @pytest.mark.parametrize("token", [TOKEN, None])
@@ -130,7 +141,7 @@ def test_non_hello_first_message_is_refused(token):
 
 def test_step_instead_of_auth_proof_is_refused():
     s = p.ServerHandshake(TOKEN, nonce("s"))
-    s.receive(p.Hello(1, 1, nonce("c"), True))
+    s.receive(p.Hello(V, V, nonce("c"), p.ClientHandshake(TOKEN, nonce("c")).public, True))
     with pytest.raises(p.AuthError) as exc:
         s.receive(p.Step(0, 0, 0, (1,)))
     assert exc.value.code == p.ErrorCode.AUTH_REQUIRED
@@ -138,21 +149,23 @@ def test_step_instead_of_auth_proof_is_refused():
 
 def test_version_negotiation_picks_highest_common():
     s = p.ServerHandshake(None, nonce("s"), min_version=1, max_version=3)
-    (welcome,) = s.receive(p.Hello(2, 5, nonce("c"), False))
+    (welcome,) = s.receive(p.Hello(2, 5, nonce("c"), p.ClientHandshake(None, nonce("c")).public, False))
     assert welcome.version == 3 and s.version == 3
 
 
 def test_no_common_version():
     s = p.ServerHandshake(None, nonce("s"), min_version=1, max_version=1)
     with pytest.raises(p.AuthError, match="no common version") as exc:
-        s.receive(p.Hello(2, 4, nonce("c"), False))
+        s.receive(p.Hello(2, 4, nonce("c"), bytes(32), False))
     assert exc.value.code == p.ErrorCode.UNSUPPORTED_VERSION
 
 
-def test_short_nonce_refused():
+def test_short_nonce_and_key_refused():
     s = p.ServerHandshake(None, nonce("s"))
     with pytest.raises(p.AuthError, match="nonce"):
-        s.receive(p.Hello(1, 1, b"short", False))
+        s.receive(p.Hello(V, V, b"short", bytes(32), False))
+    with pytest.raises(p.AuthError, match="key is 3 bytes"):
+        p.ServerHandshake(None, nonce("s")).receive(p.Hello(V, V, nonce("c"), b"key", False))
     with pytest.raises(ValueError):
         p.ClientHandshake(TOKEN, b"short")
 
@@ -163,6 +176,76 @@ def test_peer_error_during_handshake_is_reported():
     with pytest.raises(p.AuthError, match="peer refused the handshake: nope") as exc:
         c.receive(p.Error(p.ErrorCode.AUTH_REQUIRED, "nope"))
     assert exc.value.code == p.ErrorCode.AUTH_REQUIRED
+
+
+# ------------------------------------------------------------------------------------------ sealed frames
+
+
+def sealed_pair():
+    c, s = p.ClientHandshake(TOKEN, nonce("c")), p.ServerHandshake(TOKEN, nonce("s"))
+    run(c, s)
+    tx, rx = p.Codec(), p.Codec()
+    tx.seal(c.keys.send, c.keys.receive)
+    rx.seal(s.keys.send, s.keys.receive)
+    return tx, rx
+
+
+def frames(data: bytes) -> list[bytes]:
+    out, at = [], 0
+    while at < len(data):
+        n = HEADER.size + HEADER.unpack_from(data, at)[3]
+        out.append(data[at:at + n])
+        at += n
+    return out
+
+
+def test_sealed_frames_hide_type_and_payload_and_round_trip():
+    tx, rx = sealed_pair()
+    events = [p.Tokens(7, (101, 202, 303)), p.ShipChunk(0, bytes(range(256)) * 512), p.Error(p.ErrorCode.BUSY, "x")]
+    data = b"".join(tx.send(e) for e in events)
+    assert all(f[1] == p.MsgType.SEALED for f in frames(data))
+    assert bytes(range(256)) not in data and (101).to_bytes(4, "little") + (202).to_bytes(4, "little") not in data
+    rx.receive_data(data)
+    got = [rx.next_event() for _ in events]
+    assert got == events and rx.next_event() is p.NEED_DATA
+
+
+@pytest.mark.parametrize("attack", ["flip", "replay", "reorder", "drop", "clear"])
+def test_an_altered_replayed_reordered_or_dropped_frame_fails_the_link(attack):
+    tx, rx = sealed_pair()
+    f = [tx.send(p.Tokens(i, (i,))) for i in range(3)]
+    if attack == "flip":
+        f[1] = f[1][:-3] + bytes([f[1][-3] ^ 1]) + f[1][-2:]
+    elif attack == "replay":
+        f[1] = f[0]
+    elif attack == "reorder":
+        f[0], f[1] = f[1], f[0]
+    elif attack == "drop":
+        del f[0]
+    else:
+        f[1] = p.Codec().send(p.Tokens(1, (1,)))     # a frame in the clear, injected after the handshake
+    rx.receive_data(b"".join(f))
+    events = []
+    with pytest.raises(p.ProtocolError) as exc:
+        while True:
+            events.append(rx.next_event())
+    assert exc.value.code == p.ErrorCode.AUTH_FAILED
+    assert events == ([] if attack in ("reorder", "drop") else [p.Tokens(0, (0,))])
+
+
+def test_a_frame_sealed_with_another_token_does_not_open():
+    tx, _ = sealed_pair()
+    _, rx = sealed_pair()           # the same nonces and labels, but fresh X25519 keys: other link keys
+    rx.receive_data(tx.send(p.Reset()))
+    with pytest.raises(p.ProtocolError, match="does not open"):
+        rx.next_event()
+
+
+def test_the_handshake_frame_limit_refuses_a_big_frame_at_its_header():
+    codec = p.Codec(max_frame=p.HANDSHAKE_MAX_FRAME)
+    with pytest.raises(p.ProtocolError) as exc:
+        codec.receive_data(HEADER.pack(V, p.MsgType.HELLO, 0, 64 << 20) + bytes(100))
+    assert exc.value.code == p.ErrorCode.FRAME_TOO_LARGE and codec.buffered() == 0
 
 
 # ------------------------------------------------------------------------------------------ flow and liveness

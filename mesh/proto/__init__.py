@@ -3,7 +3,7 @@
 See NOTES.md "Wire protocol" for the frame format and the message table.
 """
 from .auth import ClientHandshake, ServerHandshake
-from .codec import (EOF_ as EOF, HEADER_SIZE, MAX_FRAME, MAX_VERSION, MIN_VERSION, NEED_DATA, PROTOCOL_VERSION,
+from .codec import (EOF_ as EOF, HANDSHAKE_MAX_FRAME, HEADER_SIZE, MAX_FRAME, MAX_VERSION, MIN_VERSION, NEED_DATA, PROTOCOL_VERSION,
                     Codec)
 from .errors import AuthError, ErrorCode, ProtocolError, ProtoError
 from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, AuthProof, BatchInit, BatchStep,
@@ -11,10 +11,11 @@ from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, Au
                      Info, InfoRequest, Join, Load, LoadCode, MsgType, Ping, Pong, Reset, Rollback, RtcChain,
                      RtcServe, SamplingParams, ShipBegin, ShipChunk, ShipEnd, ShipResume, Shutdown, Signal,
                      SignalKind, Step, Tokens, Vocab, Welcome, WindowUpdate, ZeroSlot)
+from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
 
 __all__ = [
-    "ALL_EVENTS", "DTYPES", "EOF", "HEADER_SIZE", "MAX_FRAME", "MAX_VERSION", "MIN_FRAME_COST", "MIN_VERSION",
+    "ALL_EVENTS", "DTYPES", "EOF", "HANDSHAKE_MAX_FRAME", "HEADER_SIZE", "MAX_FRAME", "MAX_VERSION", "MIN_FRAME_COST", "MIN_VERSION", "SEAL_OVERHEAD", "LinkKeys",
     "NEED_DATA", "NONCE_SIZE", "PROTOCOL_VERSION", "Ack", "Activation", "AuthError", "AuthOk", "AuthProof",
     "BatchInit", "BatchStep", "BlockTable", "Chain", "ClientHandshake", "Codec", "Column", "Done", "Draft",
     "DraftBatch", "DraftSeed", "Error", "ErrorCode", "Event", "FlowWindow", "Hello", "Hidden", "Info",

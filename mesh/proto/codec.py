@@ -2,23 +2,31 @@
 
     version:u8  type:u8  flags:u16  length:u32  payload[length]
 
-The first byte of every connection is therefore a version byte (1), never b"G", which lets one listener tell our
+The first byte of every connection is therefore a version byte (2), never b"G", which lets one listener tell our
 clients from WebSocket clients. The length is checked against `max_frame` as soon as the header is complete, before
 any of the payload is buffered or allocated.
+
+After the handshake both directions are sealed (`seal()`, mesh/proto/seal.py): every frame's outer type is SEALED
+and its real type and payload travel inside the AEAD.
 """
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 from .errors import ErrorCode, ProtocolError
 from .events import Event, MsgType, decode_payload, encode_payload, is_known
+from .seal import SEAL_OVERHEAD, Sealer
 
 HEADER = struct.Struct("<BBHI")
 HEADER_SIZE = HEADER.size
-PROTOCOL_VERSION = 1
-MIN_VERSION = 1
-MAX_VERSION = 1
+PROTOCOL_VERSION = 2
+MIN_VERSION = 2      # version 2: sealed frames, X25519 in the handshake, the client proves first
+MAX_VERSION = 2
 MAX_FRAME = 64 * 1024 * 1024
+HANDSHAKE_MAX_FRAME = 1024
+"""The largest frame a connection accepts before it authenticated: the biggest handshake frame (a Hello with its
+nonce and key, an Error with a reason) is well under this, so a stranger cannot make us buffer more."""
 BULK = 64 * 1024
 """A last field this large is written as a buffer of its own rather than copied into the frame (`send_parts`):
 below it, one write of a joined frame is cheaper than two writes."""
@@ -54,7 +62,8 @@ class Codec:
     come out as a zero-copy read-only view (NOTES.md "Weight shipping").
     """
 
-    __slots__ = ("max_frame", "version", "_head", "_more", "_more_len", "_eof", "_error", "last_size")
+    __slots__ = ("max_frame", "version", "_head", "_more", "_more_len", "_eof", "_error", "last_size", "_seal_out",
+                 "_seal_in")
 
     def __init__(self, *, max_frame: int = MAX_FRAME, version: int = PROTOCOL_VERSION) -> None:
         if max_frame < 0 or max_frame > 0xFFFFFFFF:
@@ -68,6 +77,21 @@ class Codec:
         self._error: ProtocolError | None = None
         self.last_size = 0
         """Size (header + payload) of the frame behind the event last returned by next_event()."""
+        self._seal_out: Sealer | None = None
+        self._seal_in: Sealer | None = None
+
+    def seal(self, send_key: bytes | None = None, receive_key: bytes | None = None) -> None:
+        """From now on, seal every frame sent (with `send_key`) and/or open every frame received (with
+        `receive_key`). Takes effect at the next frame boundary, so bytes already buffered behind the last plain
+        frame are opened as sealed ones."""
+        if send_key is not None:
+            self._seal_out = Sealer(send_key)
+        if receive_key is not None:
+            self._seal_in = Sealer(receive_key)
+
+    @property
+    def sealed(self) -> bool:
+        return self._seal_out is not None and self._seal_in is not None
 
     # ------------------------------------------------------------------ receiving
 
@@ -122,10 +146,19 @@ class Codec:
         if version != self.version:
             raise self._fail(ErrorCode.UNSUPPORTED_VERSION,
                              f"frame version {version}, this connection speaks version {self.version}")
-        if length > self.max_frame:
+        if self._seal_in is not None:
+            if type_byte != MsgType.SEALED:
+                raise self._fail(ErrorCode.AUTH_FAILED, f"a frame of type {type_byte} arrived in the clear on a "
+                                                        f"sealed connection")
+            if not SEAL_OVERHEAD <= length <= self.max_frame + SEAL_OVERHEAD:
+                raise self._fail(ErrorCode.FRAME_TOO_LARGE,
+                                 f"sealed frame announces {length} bytes, max frame is {self.max_frame}")
+        elif length > self.max_frame:
             raise self._fail(ErrorCode.FRAME_TOO_LARGE,
                              f"frame of type {type_byte} announces {length} bytes, max frame is {self.max_frame}")
-        if not is_known(type_byte):
+        if type_byte == MsgType.SEALED and self._seal_in is None:
+            raise self._fail(ErrorCode.UNEXPECTED, "a sealed frame before the handshake finished")
+        if not is_known(type_byte) and type_byte != MsgType.SEALED:
             raise self._fail(ErrorCode.UNKNOWN_TYPE, f"unknown message type {type_byte}")
         if flags:
             raise self._fail(ErrorCode.MALFORMED, f"{MsgType(type_byte).name} frame has reserved flags 0x{flags:04x}")
@@ -172,8 +205,14 @@ class Codec:
         type_byte, length = header
         end = HEADER_SIZE + length
         frame = self._take_frame(end)
+        payload = frame[HEADER_SIZE:]
         try:
-            event = decode_payload(MsgType(type_byte), frame[HEADER_SIZE:])
+            if self._seal_in is not None:
+                plain = self._seal_in.open(frame[:HEADER_SIZE], payload)
+                type_byte, payload = plain[0], memoryview(plain)[1:]
+                if not is_known(type_byte):
+                    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {type_byte}")
+            event = decode_payload(MsgType(type_byte), payload)
         except ProtocolError as exc:
             raise self._fail(exc.code, exc.reason) from None
         self.last_size = end
@@ -193,11 +232,36 @@ class Codec:
         """One frame carrying `event`, as buffers to write in order: the header and small fields joined, a bulk last
         field (>= BULK bytes, e.g. ShipChunk.data) left as it is, so a sender does not copy it to frame it.
         ValueError if the event cannot be encoded or is too large."""
+        return self.frame(self.prepare(event))
+
+    def prepare(self, event: Event) -> "Prepared":
+        """Encode `event` (ValueError if it cannot be, or is too large) without framing it yet. On a sealed
+        connection each frame takes the next counter when it is framed, so a writer that several tasks share must
+        call `frame()` in the order the frames reach the wire, and `prepare()` (which may wait for credit) before."""
         chunks = encode_payload(event)
         length = sum(len(c) for c in chunks)
         if length > self.max_frame:
             raise ValueError(f"{type(event).__name__} frame of {length} bytes exceeds max_frame {self.max_frame}")
-        header = HEADER.pack(self.version, event.TYPE, 0, length)
+        size = HEADER_SIZE + length + (SEAL_OVERHEAD if self._seal_out is not None else 0)
+        return Prepared(event.TYPE, chunks, length, size)
+
+    def frame(self, prepared: "Prepared") -> list:
+        """The buffers of one prepared frame, sealed if this direction is sealed."""
+        type_byte, chunks, length, _ = prepared
+        if self._seal_out is not None:
+            header = HEADER.pack(self.version, MsgType.SEALED, 0, length + SEAL_OVERHEAD)
+            sealed = self._seal_out.seal(header, b"".join([bytes((type_byte,)), *chunks]))
+            return [header, sealed] if length >= BULK else [header + sealed]
+        header = HEADER.pack(self.version, type_byte, 0, length)
         if chunks and len(chunks[-1]) >= BULK:
             return [b"".join([header, *chunks[:-1]]), chunks[-1]]
         return [b"".join([header, *chunks])]
+
+
+class Prepared(NamedTuple):
+    """An encoded event waiting to be framed: its type, payload chunks, payload length and size on the wire."""
+
+    type: int
+    chunks: list
+    length: int
+    size: int

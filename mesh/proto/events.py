@@ -63,6 +63,8 @@ class MsgType(IntEnum):
     SIGNAL = 80
     RTC_SERVE = 81
     RTC_CHAIN = 82
+    # the outer type of every frame after the handshake; the real type is sealed inside (mesh/proto/seal.py)
+    SEALED = 127
 
 
 class LoadCode(IntEnum):
@@ -319,25 +321,28 @@ def is_known(type_byte: int) -> bool:
 # --------------------------------------------------------------------------------------------------- handshake
 
 
-@_message(MsgType.HELLO, U8, U8, BYTES, BOOL)
+@_message(MsgType.HELLO, U8, U8, BYTES, BYTES, BOOL)
 @dataclass(frozen=True, slots=True)
 class Hello(Event):
-    """Client -> server, the first frame of every connection. `auth`: the client holds a fleet token."""
+    """Client -> server, the first frame of every connection: versions, a fresh nonce, an ephemeral X25519 public
+    key. `auth`: the client holds a fleet token."""
 
     min_version: int
     max_version: int
     nonce: bytes
+    public_key: bytes
     auth: bool
 
 
 @_message(MsgType.WELCOME, U8, BYTES, BYTES)
 @dataclass(frozen=True, slots=True)
 class Welcome(Event):
-    """Server -> client: the chosen version, the server nonce, and the server's proof (empty without a token)."""
+    """Server -> client: the chosen version, the server nonce, its ephemeral X25519 public key. No proof: the
+    client proves first (`AuthProof`), the server answers with its own in `AuthOk`."""
 
     version: int
     nonce: bytes
-    proof: bytes
+    public_key: bytes
 
 
 @_message(MsgType.AUTH_PROOF, BYTES)
@@ -346,10 +351,12 @@ class AuthProof(Event):
     proof: bytes
 
 
-@_message(MsgType.AUTH_OK)
+@_message(MsgType.AUTH_OK, BYTES)
 @dataclass(frozen=True, slots=True)
 class AuthOk(Event):
-    pass
+    """Server -> client after the client's proof verified: the server's own proof."""
+
+    proof: bytes
 
 
 # --------------------------------------------------------------------------------------------------- liveness, flow
@@ -436,15 +443,18 @@ class Info(Event):
     loaded: bool
 
 
-@_message(MsgType.LOAD, U32, U32, U32, STR)
+@_message(MsgType.LOAD, U32, U32, U32, STR, BYTES)
 @dataclass(frozen=True, slots=True)
 class Load(Event):
-    """Load (or reload) layers [start, end) of the model with this fingerprint; answered by Ack(of=LOAD)."""
+    """Load (or reload) layers [start, end) of the model with this fingerprint; answered by Ack(of=LOAD).
+    `sha256`: the digest of the range file the coordinator would ship for this range; a peer loading from its cache
+    checks the file against it (b"": none given, the peer asks for the weights instead of trusting its cache)."""
 
     start: int
     end: int
     total_layers: int
     fingerprint: str
+    sha256: bytes = b""
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= self.total_layers:
