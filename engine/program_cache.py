@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 
 from tinygrad.codegen import to_program_cache
+from tinygrad.helpers import ContextVar
 from tinygrad.uop.ops import Ops, UOp
 
-__all__ = ["cache_path", "load_programs", "save_programs"]
+__all__ = ["cache_path", "code_identity", "load_programs", "read_blob", "save_programs", "write_blob"]
 
 MAGIC = b"meshprg1"
 _VERSION = importlib.metadata.version("tinygrad")
@@ -43,6 +44,59 @@ def cache_path(*identity) -> Path:
     return root / "programs" / f"{name}.bin"
 
 
+def _engine_source_hash() -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def code_identity() -> tuple:
+    """What decides the kernels a step runs besides its shapes: tinygrad's version and settings (every ContextVar:
+    BEAM, NOOPT, thread counts...), the engine's own source and its MESH_* settings. Part of every step-template
+    key (engine/shared_layers.py), so a changed kernel or setting is a miss, never a stale hit."""
+    global _CODE
+    if _CODE is None:
+        _CODE = (_VERSION, _engine_source_hash(),
+                 tuple(sorted((k, repr(v.value)) for k, v in ContextVar._cache.items())),
+                 tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MESH_") and k != "MESH_CACHE_DIR")))
+    return _CODE
+
+
+_CODE: tuple | None = None
+
+
+def write_blob(path: Path, obj) -> bool:
+    """Pickle obj to path with the magic and a sha256 of the payload, atomically (a reader sees the old file or
+    the new one). False when it cannot be written."""
+    body = pickle.dumps({"tinygrad": _VERSION, "payload": obj}, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
+def read_blob(path: Path):
+    """What write_blob wrote, or None for a missing, corrupt (checksum), foreign or stale (tinygrad version) file."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body := blob[len(MAGIC) + 32:]).digest() != \
+            blob[len(MAGIC):len(MAGIC) + 32]:
+        return None
+    try:
+        data = pickle.loads(body)
+        return data["payload"] if data.get("tinygrad") == _VERSION else None
+    except Exception:  # a payload that checks but does not unpickle: a foreign or future format
+        return None
+
+
 def _valid(key, prg) -> bool:
     return isinstance(key, tuple) and len(key) > 2 and isinstance(key[0], bytes) and isinstance(prg, UOp) and \
         prg.op is Ops.PROGRAM and prg.src[-1].op is Ops.BINARY
@@ -52,18 +106,8 @@ def load_programs(path: Path) -> set[tuple]:
     """Put the file's programs into tinygrad's program cache; returns the keys it held. A missing, corrupt or
     stale file is ignored (no keys)."""
     try:
-        blob = path.read_bytes()
-    except OSError:
-        return set()
-    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body := blob[len(MAGIC) + 32:]).digest() != \
-            blob[len(MAGIC):len(MAGIC) + 32]:
-        return set()
-    try:
-        data = pickle.loads(body)
-        if data.get("tinygrad") != _VERSION:
-            return set()
-        entries = [(k, v) for k, v in data["entries"] if _valid(k, v)]
-    except Exception:  # a payload that checks but does not unpickle: a foreign or future format
+        entries = [(k, v) for k, v in read_blob(path) or () if _valid(k, v)]
+    except (TypeError, ValueError):
         return set()
     for key, prg in entries:
         to_program_cache.setdefault(key, prg)
@@ -83,13 +127,4 @@ def save_programs(path: Path, linears: list[UOp], on_disk: set[tuple] = frozense
     entries = [(k, v) for k, v in list(to_program_cache.items()) if (v in used or v.src[0] in sinks) and _valid(k, v)]
     if not entries or {k for k, _ in entries} <= on_disk:
         return on_disk
-    body = pickle.dumps({"tinygrad": _VERSION, "entries": entries}, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(body).digest() + body)
-        os.replace(tmp, path)
-    except OSError:
-        return on_disk
-    return {k for k, _ in entries}
+    return {k for k, _ in entries} if write_blob(path, entries) else on_disk

@@ -19,9 +19,10 @@ that writes its input.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
 from tinygrad import Tensor, TinyJit, UOp
+from tinygrad.dtype import DType
 from tinygrad.engine.jit import CapturedJit, _prepare_jit_inputs, _TinyJit, graph_split_rewrite
 from tinygrad.engine.realize import get_call_arg_uops, get_call_outs_ins
 from tinygrad.helpers import JIT, JIT_BATCH_SIZE, Context, getenv
@@ -85,6 +86,64 @@ def _base(u: UOp):
     return b._base if getattr(b, "_base", None) is not None else b
 
 
+SCRATCH = 1 << 20  # PARAM slots from here on stand for a template's own buffers (planned scratch, its output)
+
+
+@dataclass(frozen=True)
+class Template:
+    """One captured part of a step (a layer kind, or the head) with every buffer a PARAM: slots below n_in are its
+    inputs (x, cos, sin, the layer's tensors; the head: x and its tensors), slots SCRATCH + i its own buffers
+    (device, size, dtype), of which `out` is the one its result is written to, seen as `out_shape`. Holds no
+    buffer and no process state, so it can be pickled and instantiated in another process."""
+    linear: UOp
+    n_in: int
+    scratch: tuple[tuple[str, int, DType], ...]
+    out: int
+    out_shape: tuple[int, ...]
+
+    def instantiate(self, inputs: list[UOp], scratch: list[UOp] | None = None) -> tuple[list[UOp], list[UOp]]:
+        """The calls with inputs[i] for PARAM i and the given scratch buffers (default: freshly allocated ones,
+        returned for the next layer of the kind, which shares them)."""
+        if len(inputs) != self.n_in:
+            raise NotShareable(f"a template of {self.n_in} inputs given {len(inputs)}")
+        if scratch is None:
+            scratch = [UOp.new_buffer(d, n, dt) for d, n, dt in self.scratch]
+            for b in scratch:
+                b.buffer.ensure_allocated()
+        mapping = {}
+        for slot, p in _params(self.linear).items():
+            if slot >= SCRATCH:
+                mapping[p] = scratch[slot - SCRATCH]
+            else:
+                u = inputs[slot]
+                if u.op is Ops.BUFFER and (u.dtype, u.buffer.size) != (p.dtype, p.max_numel()):
+                    raise NotShareable(f"input {slot} is {u.dtype} x {u.buffer.size}, the template's {p.dtype} x "
+                                       f"{p.max_numel()}")
+                mapping[p] = u
+        return _substitute(self.linear, mapping), scratch
+
+    def output(self, scratch: list[UOp]) -> Tensor:
+        return Tensor(scratch[self.out]).reshape(self.out_shape)
+
+
+def _template(linear: UOp, ret: Tensor, n_in: int) -> Template:
+    """A captured call list as a Template: its concrete buffers (the memory plan's arena, the output) become
+    PARAMs SCRATCH + i."""
+    bases: dict[UOp, int] = {}
+    for c in linear.src:
+        for a in get_call_arg_uops(c):
+            for u in a.toposort():
+                if u.op is Ops.BUFFER and u not in bases:
+                    bases[u] = len(bases)
+    out = _buffer_uops([ret])[0]
+    if out not in bases:
+        raise NotShareable("the captured part does not write its output")
+    mapping = {u: UOp.param(SCRATCH + i, u.dtype, (u.buffer.size,), u.device) for u, i in bases.items()}
+    scratch = tuple((u.device, u.buffer.size, u.dtype) for u in bases)
+    return Template(UOp(Ops.LINEAR, src=tuple(_substitute(linear, mapping))), n_in, scratch, bases[out],
+                    tuple(ret.shape))
+
+
 def _capture(fn: Callable, args: tuple) -> tuple[UOp, Tensor]:
     """TinyJit's capture of fn(*args) without graph batching (JIT=2): its planned, compiled call list and result."""
     jit = TinyJit(fn)
@@ -100,9 +159,10 @@ def _params(linear: UOp) -> dict[int, UOp]:
     return {u.arg.slot: u for c in linear.src for a in get_call_arg_uops(c) for u in a.toposort() if u.op is Ops.PARAM}
 
 
-def _check_layer(linear: UOp, ret: Tensor, own: set[int]) -> None:
-    """The layer's calls read no live tensor but its inputs (PARAMs) and write its input x (PARAM 0) nowhere, and
-    every read of x comes before the first write of the output, so x and the output may be one buffer."""
+def _check(linear: UOp, ret: Tensor, own: set[int], n_fixed: int, chained: bool) -> None:
+    """The captured calls read no live tensor but their inputs (PARAMs) and write none of the first n_fixed inputs
+    (x, cos, sin: shared by every layer and by the step's caller); a layer (`chained`) reads all of x (PARAM 0)
+    before its first write of the output, so x and the output may be one buffer."""
     out = _base(ret.uop)
     live = set()
     for ref in list(all_tensors):
@@ -121,7 +181,7 @@ def _check_layer(linear: UOp, ret: Tensor, own: set[int]) -> None:
         for k, a in enumerate(args):
             slots = {u.arg.slot for u in a.toposort() if u.op is Ops.PARAM}
             if slots:
-                if 0 in slots and k in outs:
+                if k in outs and any(s < n_fixed for s in slots):
                     raise NotShareable("a layer writes its input")
                 if 0 in slots:
                     last_x_read = i
@@ -131,7 +191,7 @@ def _check_layer(linear: UOp, ret: Tensor, own: set[int]) -> None:
                 raise NotShareable(f"a layer kernel reads a tensor that is not one of its inputs ({base})")
             if base is out and k in outs and first_out_write is None:
                 first_out_write = i
-    if first_out_write is None or last_x_read >= first_out_write:
+    if chained and (first_out_write is None or last_x_read >= first_out_write):
         raise NotShareable("a layer writes its output before it has read all of its input")
 
 
@@ -141,49 +201,59 @@ def _substitute(linear: UOp, mapping: dict[UOp, UOp]) -> list[UOp]:
             for c in linear.src]
 
 
-def capture_shared(blocks: Sequence, layer_fn: Callable, head_fn: Callable | None, inputs: Sequence[Tensor],
-                   binds: Sequence[UOp]) -> _TinyJit:
+def _capture_template(fn: Callable, inputs: list[Tensor], binds: Sequence[UOp], n_fixed: int,
+                      chained: bool) -> Template:
+    own = {id(_base(t.uop)) for t in inputs[n_fixed:]}
+    linear, ret = _capture(fn, (*inputs, *binds))
+    _check(linear, ret, own, n_fixed, chained)
+    return _template(linear, ret, len(inputs))
+
+
+def capture_shared(blocks: Sequence, layer_fn: Callable, head: tuple[object, Callable] | None,
+                   inputs: Sequence[Tensor], binds: Sequence[UOp],
+                   templates: dict | None = None) -> tuple[_TinyJit, dict]:
     """A jit for the step `x -> head(blocks[-1](...blocks[0](x)))` (no head: the last block's output) whose calls
-    come from one capture per layer kind. layer_fn(block, x, cos, sin, *binds) and head_fn(x, *binds) build the
-    graph of one layer and of the head; inputs are the step's (x, cos, sin). Runs the captured parts once each (a
-    layer's capture with copies of the KV caches it writes, so the caches are untouched)."""
+    come from one template per layer kind. layer_fn(block, x, cos, sin, *binds) and head = (module, fn(x, *binds))
+    build the graph of one layer and of the head; inputs are the step's (x, cos, sin). `templates` (from an
+    earlier process: {repr(kind) or "head": Template}) are used where they fit, the rest captured (each capture
+    runs its part once, with copies of the KV caches it writes, so the caches are untouched). Returns the jit and
+    the templates it used, to be kept for the next process."""
     if getenv("HCQ2"):
         raise NotShareable("HCQ2 links its command queues at capture")
     x, cos, sin = inputs
-    captured: dict[tuple, tuple[UOp, Tensor, dict[int, UOp]]] = {}
+    have = dict(templates or {})
     calls: list[UOp] = []
     cur = x  # the tensor holding the running activations
-    step_params = _params_of_step(inputs)
+    step_bufs = _buffer_uops(inputs)
+    step_params = {i: UOp.param(i, u.dtype, u.shape, u.device) for i, u in enumerate(step_bufs)}
+    scratch: dict[str, list[UOp]] = {}  # per layer kind: its buffers, output included, shared by its layers
     for block in blocks:
-        kind = block_kind(block)
+        key = repr(block_kind(block))
         tensors = block_tensors(block)
-        if kind not in captured:
-            own = {id(_base(t.uop)) for t in tensors}
-
+        if key not in have:
             def fn(x_, cos_, sin_, *rest, _block=block, _n=len(tensors)):
                 return layer_fn(_block, x_, cos_, sin_, *rest[_n:])
-            linear, ret = _capture(fn, (cur, cos, sin, *tensors, *binds))
-            _check_layer(linear, ret, own)
-            captured[kind] = (linear, ret, _params(linear))
-        linear, ret, params = captured[kind]
+            have[key] = _capture_template(fn, [cur, cos, sin, *tensors], binds, 3, True)
         bufs = _buffer_uops([cur, cos, sin, *tensors])
-        mapping = {p: (step_params[slot] if cur is x or slot in (1, 2) else bufs[slot]) if slot < 3 else bufs[slot]
-                   for slot, p in params.items()}
-        calls += _substitute(linear, mapping)
-        cur = ret
+        ins = [step_params[0] if cur is x else bufs[0], step_params[1], step_params[2], *bufs[3:]]
+        layer_calls, scratch[key] = have[key].instantiate(ins, scratch.get(key))
+        calls += layer_calls
+        cur = have[key].output(scratch[key])
     ret = cur
-    if head_fn is not None:
-        linear, ret = _capture(head_fn, (cur, *binds))
-        calls += _substitute(linear, {p: _buffer_uops([cur])[0] for slot, p in _params(linear).items() if slot == 0})
-        if any(slot != 0 for slot in _params(linear)):
-            raise NotShareable("the head takes inputs other than the layers' output")
+    if head is not None:
+        module, head_fn = head
+        tensors = block_tensors(module)
+        if "head" not in have:
+            def hfn(x_, *rest, _n=len(tensors)):
+                return head_fn(x_, *rest[_n:])
+            have["head"] = _capture_template(hfn, [cur, *tensors], binds, 1, False)
+        head_calls, head_scratch = have["head"].instantiate(_buffer_uops([cur, *tensors]))
+        calls += head_calls
+        ret = have["head"].output(head_scratch)
     linear = UOp(Ops.LINEAR, src=tuple(calls))
     if JIT.value < 2:  # as TinyJit's own lowering: runs of kernels become graphs where the device has them
         linear = graph_split_rewrite(linear, max_batch_size=JIT_BATCH_SIZE.value)
     _, _, names, info = _prepare_jit_inputs((*inputs, *binds), {})
-    return _TinyJit(None, captured=CapturedJit(ret, linear, names, info))
-
-
-def _params_of_step(inputs: Sequence[Tensor]) -> dict[int, UOp]:
-    """The PARAM UOps a jit over (x, cos, sin) uses for its inputs, as TinyJit's lowering makes them."""
-    return {i: UOp.param(i, u.dtype, u.shape, u.device) for i, u in enumerate(_buffer_uops(inputs))}
+    captured = CapturedJit(ret, linear, names, info)
+    captured.__dict__["_written_uops"] = set()  # checked above: no part writes x, cos or sin (saves ~0.5 s a shape)
+    return _TinyJit(None, captured=captured), have

@@ -19,7 +19,7 @@ from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      free_device_cache, load_fused, load_weight, tensor_info, write_into)
 from .model import Block, Group, Head, make_block, rope_inputs
-from .program_cache import cache_path, load_programs, save_programs
+from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
 from .program_cache import enabled as program_cache_enabled
 from .replay import CpuReplay, NotReplayable
 from .shared_layers import NotShareable, capture_shared
@@ -434,14 +434,31 @@ class Stage:
         step it cannot share is captured whole. The whole capture happens on the jit's first call (`cnt = 1`): the
         inputs and weights are realized before it, so there are no one-time kernels to leave out."""
         if self.share_layers:
+            head = (self._head, partial(self._head_rows, shape)) if self.last else None
+            path = self._template_file(shape)
+            stored = read_blob(path) if path is not None else None
+            if isinstance(stored, dict):  # templates from an earlier process: no scheduling at all
+                try:
+                    return capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds, stored)[0]
+                except Exception:  # noqa: BLE001 (a stale or damaged template is never trusted: captured anew)
+                    _release_freed_memory()
             try:
-                return capture_shared(self._blocks, partial(self._layer, shape),
-                                      partial(self._head_rows, shape) if self.last else None, inputs, binds)
+                fn, used = capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds)
             except NotShareable:
                 _release_freed_memory()
+            else:
+                if path is not None:
+                    write_blob(path, used)
+                return fn
         fn = TinyJit(partial(self._graph, shape))
         fn.cnt = 1
         return fn
+
+    def _template_file(self, shape) -> Path | None:
+        """Where the step templates of a shape are kept (with the stage's programs; None: the cache is off)."""
+        if self._program_file is None:
+            return None
+        return self._program_file.with_name(cache_path(self._program_file.stem, "step", shape, code_identity()).name)
 
     def _layer(self, shape, block: Block, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
         """One layer of the step for one shape of columns."""

@@ -67,7 +67,7 @@ def test_a_layer_reading_a_tensor_it_does_not_hold_is_not_shared():
 
     def layer(blk, x_, c, s_):  # two kernels: the one writing the output reads no x (as a transformer block's)
         return ((x_ + blk.w).contiguous().realize() * 2).contiguous()
-    ok = capture_shared([Layer(), Layer()], layer, None, (x, cos, sin), [])
+    ok, _ = capture_shared([Layer(), Layer()], layer, None, (x, cos, sin), [])
     x.assign(Tensor.full((8,), 1.0)).realize()
     assert ok(x, cos, sin).tolist() == [10.0] * 8  # (1 + 1) * 2, then (4 + 1) * 2: chained through the output
 
@@ -105,6 +105,7 @@ def test_programs_come_back_from_disk_and_a_corrupt_file_is_ignored(model, tmp_p
 
     from engine import program_cache
     monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MESH_SHARED_LAYERS", "0")  # whole-step captures: the step templates would skip compiling
     first = Stage.load(model, 0, 4, n_slots=1, max_context=32)
     path = first._program_file
     assert path is not None and str(path).startswith(str(tmp_path))
@@ -130,3 +131,56 @@ def test_programs_come_back_from_disk_and_a_corrupt_file_is_ignored(model, tmp_p
     assert third._programs_on_disk == set()
     assert np.array_equal(third.step_logits([Column(0, 0, True, 7)]), want)  # compiled again, same bits
     assert program_cache.load_programs(path) == third._programs_on_disk != set()  # and the file rewritten
+
+
+# ---- step templates on disk (engine/shared_layers.py Template, kept by Stage._capture)
+
+@pytest.fixture
+def counted_layers(monkeypatch):
+    """How many times a layer's graph was built (a capture); 0 when every shape came from its template."""
+    calls, orig = [], Stage._layer
+
+    def counted(self, *a):
+        calls.append(1)
+        return orig(self, *a)
+    monkeypatch.setattr(Stage, "_layer", counted)
+    return calls
+
+
+def test_a_cold_start_from_step_templates_schedules_nothing_and_gives_the_same_bits(model, tmp_path, monkeypatch,
+                                                                                     counted_layers):
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    cols = [[Column(i, 0, i == 4, t) for i, t in enumerate([3, 17, 42, 7, 99])], [Column(5, 0, True, 11)]]
+
+    def run():
+        stage = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+        return [stage.step_logits(c) for c in cols]
+    want = run()
+    assert counted_layers  # captured: one layer per shape
+    counted_layers.clear()
+    assert all(np.array_equal(a, b) for a, b in zip(want, run()))
+    assert not counted_layers  # every shape from its template: no layer graph built, nothing scheduled
+
+    for f in (tmp_path / "programs").glob("*.bin"):  # damaged files: ignored, captured anew, rewritten
+        f.write_bytes(f.read_bytes()[:-100])
+    assert all(np.array_equal(a, b) for a, b in zip(want, run()))
+    assert counted_layers
+    counted_layers.clear()
+    run()
+    assert not counted_layers
+
+
+def test_a_template_that_does_not_fit_the_stage_is_not_used(model, tmp_path, monkeypatch, counted_layers):
+    from engine.program_cache import read_blob, write_blob
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    decode = (1, ((0, 1),), -1)  # one column, its logits: "every row"
+    mine = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+    want = mine.step_logits([Column(0, 0, True, 9)])
+    other = Stage.load(model, 0, 4, n_slots=2, max_context=48)  # other cache shapes, so other templates
+    other.step_logits([Column(0, 0, True, 9)])
+    assert mine._template_file(decode).exists() and other._template_file(decode).exists()
+    write_blob(mine._template_file(decode), read_blob(other._template_file(decode)))  # under this one's name
+    counted_layers.clear()
+    again = Stage.load(model, 0, 4, n_slots=1, max_context=32)
+    assert np.array_equal(again.step_logits([Column(0, 0, True, 9)]), want)
+    assert counted_layers  # refused (its KV cache inputs have another size) and captured anew

@@ -137,3 +137,28 @@ def test_gemma3_ids_equal_live_llama_cpp_on_random_text(gemma):
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in random_corpus(300, seed=11):
         assert tok.encode(text) == llm.tokenize(text.encode("utf-8"), add_bos=True, special=True), repr(text)
+
+
+def test_mistral_style_gguf_uses_llama_cpp_defaults(tmp_path):
+    """A llama-architecture GGUF with a SentencePiece vocabulary (Llama 2, Mistral, TinyLlama) that names neither
+    add_bos_token nor add_space_prefix: llama.cpp's defaults for such a vocabulary, BOS and a space prefix."""
+    from gguf import GGUFWriter
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "h", "i", "hi", "▁hi"]
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * 5
+    w = GGUFWriter(str(tmp_path / "mistral.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(tmp_path / "mistral.gguf")
+    assert tok.model == "llama" and tok.add_bos and tok.eos_ids == frozenset({2})
+    assert tok.encode("hi") == [1, tokens.index("▁hi")]
+    assert tok.encode("hi</s>hi") == [1, tokens.index("▁hi"), 2, tokens.index("▁hi")]
