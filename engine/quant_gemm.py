@@ -1,0 +1,109 @@
+"""Prefill on CPU: a GEMM over resident GGUF blocks that decodes each block once for several columns.
+
+The matvec (engine/quant.py `_matvec_kernel`) runs its whole pass once per column: with N columns every block is
+decoded N times, and decoding (byte loads, shifts, int -> float) costs more than the multiply-adds it feeds, so a
+16-column prefill chunk ran at ~7-10 GFLOPS on 2 cores. Here a block's value for IL interleaved rows is decoded
+once into IL SIMD lanes and multiplied into a tile of T columns (T x IL accumulators held in registers):
+
+    for each core's groups of IL rows, for each tile of T columns:
+        acc[T][IL] = 0
+        for each block, for each sub-block s (unrolled), for j in the sub-block:
+            w[IL] = q(s, j) * d_s + m_s                     decoded once ...
+            acc[t][:] += w * x[column t, value]             ... used T times
+        out[column, rows] = acc (+ residual)
+
+The sum is the f32 path's: value = q * d + m in f32, times x, summed in order of the values; the matvec instead
+sums q * x per sub-block and scales once (llama.cpp's order). Both are exact to float rounding; the fidelity bench
+holds the GEMM to llama.cpp as the matvec is held. A tile's columns past N re-read the last column (no guarded load
+in the inner loop) and are not stored.
+
+The RMS norm of the input (and silu(gate) * up) run as a small Tensor kernel before the GEMM, not inside it: fused,
+they would be recomputed for every group of IL rows and every value, 2 multiplies per x per column in the inner loop.
+Only the CPU runs this kernel (GPUs keep their matvec kernels); one column keeps the matvec (decode).
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import AxisType, KernelInfo
+
+if TYPE_CHECKING:  # quant imports this module
+    from .quant import BlockSpec
+
+F32 = dtypes.float32
+TILE = 4  # columns per tile: T x IL accumulators (4 x 16 floats = 8 AVX2 registers, 4 NEON-pairs of 4 x 4)
+
+
+def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: bool):
+    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
+        G, nb, _, il = rest.shape
+        N, E, W = x.shape[0], spec.sub * spec.width, spec.width
+        T = min(tile, N)
+        NT = -(-N // T)
+        res = extra[0] if residual else None
+        core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads, 1)
+        g = core * (G // threads) + gi
+        # the sums of every column for this group's rows, in memory (N x il floats): a tile's T x il accumulators
+        # are loaded into registers for one block, then written back
+        accm = UOp.placeholder((NT * T * il + 1,), F32, 0, addrspace=AddrSpace.REG)
+        z = UOp.range(NT * T * il + 1, 2)
+        accm = accm.after(gi, core)[z].set(0.0, end=z)
+        b = UOp.range(nb, 3, AxisType.REDUCE)
+        byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
+        half = lambda i: halfs[g, b, i, lane].cast(F32)
+        # 1. decode the block of il rows once: wb[value][lane] = q * d + m
+        wb = UOp.placeholder((E * il + 1,), F32, 1, addrspace=AddrSpace.REG)
+        decs = []
+        for si in range(spec.sub):  # unrolled in Python: constant shifts and offsets per sub-block
+            j, lane = UOp.range(W, 10 + 2 * si), UOp.range(il, 11 + 2 * si)
+            w = spec.q(byte, si, j).cast(F32) * spec.scale(byte, half, si)
+            if spec.offset is not None:
+                w = w + spec.offset(byte, half, si)
+            decs.append(wb.after(accm, b)[(si * W + j) * il + lane + 1].store(w).end(lane, j))
+        wb = wb.after(*decs)
+        # 2. multiply the decoded block into each tile of T columns
+        nt = UOp.range(NT, 4)
+        lane, t = UOp.range(il, 5, AxisType.UPCAST), UOp.range(T, 6, AxisType.UPCAST)
+        col = nt * T + t
+        n = (col < N).where(col, N - 1) if N % T else col  # a ragged last tile re-reads the last column
+        i = t * il + lane
+        acc = UOp.placeholder((T * il,), F32, 2, addrspace=AddrSpace.REG)
+        acc = acc.after(nt, b)[i].set(accm.after(wb)[col * il + lane + 1])
+        jj = UOp.range(E, 7, AxisType.REDUCE)
+        acc = acc[i].set(acc.after(jj)[i] + wb[jj * il + lane + 1] * x[n, b * E + jj], end=jj)
+        back = accm[col * il + lane + 1].store(acc[i]).end(lane, t).end(nt).end(b)
+        # 3. the real columns out, with the residual
+        c, ls = UOp.range(N, 8), UOp.range(il, 9, AxisType.UPCAST)
+        row = g * il + ls
+        y = accm.after(back)[c * il + ls + 1]
+        if res is not None:
+            y = y + res[c, row]
+        return out[c, row].store(y).end(ls).end(c).end(gi, core).sink(
+            arg=KernelInfo(name=f"mm_{name}_{G}x{il}_{nb}_t{T}", opts_to_apply=()))
+    return kernel
+
+
+def enabled(x_rows: int, device: str) -> bool:
+    """Whether a matmul of x_rows columns on `device` takes the GEMM: more than one column, on the CPU.
+    MESH_PREFILL_GEMM=0 keeps the matvec for every column count (A/B runs)."""
+    return x_rows > 1 and device.startswith("CPU") and os.environ.get("MESH_PREFILL_GEMM", "1") != "0"
+
+
+def gemm_t(rest: Tensor, halfs: Tensor, spec: BlockSpec, name: str, rows: int, threads: int, x: Tensor, *,
+           norm: tuple[Tensor, float] | None = None, glu: bool = False, residual: Tensor | None = None,
+           tile: int = TILE) -> Tensor:
+    """x (N, cols) @ W.T -> (N, rows) f32 for W's resident blocks (rest, halfs); the same options as
+    `QuantWeight.matmul_t`: an RMS norm of x by (weight, eps), silu(gate) * up of x = [gate | up], a residual."""
+    x = x.cast(F32)
+    if glu:
+        C = x.shape[1] // 2
+        x = x[:, :C].silu() * x[:, C:]
+    if norm is not None:  # the matvec's fused form: x * 1/sqrt(mean(x^2) + eps) * weight
+        x = x * (x.square().mean(axis=-1, keepdim=True) + norm[1]).sqrt().reciprocal() * norm[0].cast(F32)
+    out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
+    extra = [residual.cast(F32).contiguous()] if residual is not None else []
+    fxn = gemm_kernel(name, spec, threads, tile, residual is not None)
+    return Tensor.custom_kernel(out, rest, halfs, x.contiguous(), *extra, fxn=fxn)[0]

@@ -1,0 +1,75 @@
+"""The CPU prefill GEMM over resident GGUF blocks (engine/quant_gemm.py): every resident type against gguf's own
+dequantizer times numpy for column counts on and off the tile, its fused options against the matvec, and a stage's
+prefill against the same prompt decoded one column at a time."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from tinygrad import Tensor
+
+from engine import quant_gemm
+from engine.quant import SPECS, QuantWeight, interleave_for, repack
+from engine.stage import Column, Stage
+from tests.test_engine_quant import TYPES, blocks_of
+from tests.tiny_gguf import write_tiny_gguf
+
+
+def weight(qtype: str, rows: int, cols: int) -> tuple[QuantWeight, np.ndarray]:
+    raw = blocks_of(qtype, rows, cols)
+    rest, halfs = repack(raw, Q[qtype], interleave_for(rows))
+    w = QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), Q[qtype])
+    return w, dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemm_decodes_every_type_as_gguf_does(qtype):
+    rows, cols = 64, 512  # 4 groups of 16 rows (2 a core), 2 K-quant blocks a row
+    w, want_w = weight(qtype, rows, cols)
+    rng = np.random.default_rng(2)
+    for n in (2, 3, 16, 17):  # less than a tile, a ragged one, whole tiles, whole tiles and a ragged one
+        assert quant_gemm.enabled(n, "CPU")
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        r = rng.standard_normal((n, rows)).astype(np.float32)
+        want = x.astype(np.float64) @ want_w.T + r
+        got = w.matmul_t(Tensor(x), residual=Tensor(r)).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(), err_msg=f"{n} columns")
+
+
+@pytest.mark.parametrize("tile", [1, 3, 8])
+def test_gemm_tiles_agree(tile):
+    w, want_w = weight("Q4_1", 32, 256)
+    x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+    got = quant_gemm.gemm_t(w.rest, w.halfs, SPECS[Q.Q4_1], "q4_1", 32, 2, Tensor(x), tile=tile).numpy()
+    want = x.astype(np.float64) @ want_w.T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fused", ["norm", "glu"])
+def test_gemm_fused_inputs_match_the_matvec(fused, monkeypatch):
+    rows, cols = 48, 256
+    w, _ = weight("Q4_K", rows, cols)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 2 * cols if fused == "glu" else cols)).astype(np.float32)
+    nw = rng.standard_normal(cols).astype(np.float32)
+    kw = dict(norm=(Tensor(nw), 1e-5)) if fused == "norm" else dict(glu=True)
+    got = w.matmul_t(Tensor(x), **kw).numpy()
+    monkeypatch.setenv("MESH_PREFILL_GEMM", "0")  # the matvec, column by column
+    assert not quant_gemm.enabled(5, "CPU")
+    want = w.matmul_t(Tensor(x), **kw).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_stage_prefill_matches_decoding_column_by_column(tmp_path, qtype):
+    """A prompt in one step (chunks through the GEMM) against the same prompt one column a step (the matvec):
+    the logits of every position and the KV the next step reads agree to float rounding."""
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=2,
+                        vocab_size=256, qtype=qtype, embed_qtype="Q8_0")
+    prompt = [3, 17, 42, 7, 99, 5, 61, 200, 11, 8, 150, 33, 2, 90, 77, 14, 120, 9, 40, 250]  # 16 + 4 of 16
+    a = Stage.load(p, 0, 2, n_slots=1, max_context=64)
+    b = Stage.load(p, 0, 2, n_slots=1, max_context=64)
+    got = a.step_logits([Column(i, 0, True, t) for i, t in enumerate(prompt)])
+    want = np.concatenate([b.step_logits([Column(i, 0, True, t)]) for i, t in enumerate(prompt)])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    nxt = [Column(len(prompt), 0, True, 64)]  # a decode step after either reads the KV the prefill wrote
+    np.testing.assert_allclose(a.step_logits(nxt), b.step_logits(nxt), rtol=0, atol=1e-4 * np.abs(want).max())
