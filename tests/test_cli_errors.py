@@ -1,0 +1,143 @@
+"""What a user sees when something is wrong: one line that names the thing and the reason, and the right exit code.
+
+Each case runs `python -m mesh` as a subprocess, as a user would. Argument errors exit 2 (argparse) before anything
+starts; expected failures exit 1 with one `prog: ...` line; Ctrl-C says goodbye and exits 130.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+
+import pytest
+
+from tests.mesh_fixtures import ROOT, child_env, free_port, mesh_cmd, write_tiny_chat_model
+
+TOKEN = "cli-tests-fleet-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_layers=2)
+
+
+def run(role: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(mesh_cmd(role, *args), cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> str:
+    assert "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{prog}: "), p.stderr
+    for w in words:
+        assert w in last, p.stderr
+    return last
+
+
+@pytest.mark.parametrize("role, args, words", [
+    ("coord", ["--listen", "127.0.0.1:99999"], ["--listen", "out of range"]),
+    ("coord", ["--listen", "nonsense"], ["--listen", "missing port"]),
+    ("peer", ["--join", "nonsense", "--token", TOKEN], ["--join", "missing port"]),
+    ("peer", ["--join", "host:99999", "--token", TOKEN], ["--join", "out of range"]),
+    ("peer", ["--join", "127.0.0.1:9000", "--listen", "0.0.0.0:70000", "--token", TOKEN], ["--listen", "range"]),
+    ("peer", ["--join", "127.0.0.1:9000", "--retry-for", "-3", "--token", TOKEN], ["--retry-for"]),
+])
+def test_bad_arguments_fail_before_anything_starts(role, args, words):
+    p = run(role, *args)
+    assert p.returncode == 2
+    one_line_error(p, f"mesh-{role}", "error:", *words)
+
+
+def test_a_peer_without_a_token_is_told_where_to_get_one():
+    p = run("peer", "--join", "127.0.0.1:9")
+    assert p.returncode == 1
+    one_line_error(p, "mesh-peer", "no fleet token", "--insecure-open")
+
+
+def test_insecure_open_and_a_token_contradict():
+    p = run("peer", "--join", "127.0.0.1:9", "--insecure-open", "--token", TOKEN)
+    assert p.returncode == 1
+    one_line_error(p, "mesh-peer", "--insecure-open")
+
+
+@pytest.mark.parametrize("content", [b"not a gguf at all" * 100, b"GGUF\x03\x00\x00\x00" + bytes(10)])
+def test_a_model_that_is_not_a_usable_gguf_is_one_line(tmp_path, content):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    p = run("peer", "--join", "127.0.0.1:9", "--token", TOKEN, "--model", str(bad))
+    assert p.returncode == 1
+    one_line_error(p, "mesh-peer", str(bad))
+    p = run("coord", "--model", str(bad), "--insecure-open")
+    assert p.returncode == 1
+    one_line_error(p, "mesh-coord", str(bad))
+
+
+def test_a_truncated_model_is_one_line(tmp_path, model):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    p = run("peer", "--join", "127.0.0.1:9", "--token", TOKEN, "--model", str(cut))
+    assert p.returncode == 1
+    one_line_error(p, "mesh-peer", str(cut))
+
+
+def test_a_port_in_use_is_one_line(model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = run("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN)
+    assert p.returncode == 1
+    one_line_error(p, "mesh-coord", f"{port}", "cannot listen")
+
+
+def test_without_a_token_the_coordinator_makes_one_and_prints_the_peer_command(model):
+    port = free_port()
+    p = run("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--wait", "0.5", "--settle", "0.1",
+            "--prompt", "hi")
+    assert p.returncode == 1
+    m = re.search(r"MESH_TOKEN=(\S+) mesh-peer --join 127\.0\.0\.1:" + str(port), p.stderr)
+    assert m and len(m[1]) >= 32, p.stderr
+    one_line_error(p, "mesh-coord", "0 of 1 peers joined")
+
+
+def test_a_short_token_gets_a_warning_and_insecure_open_a_louder_one(model):
+    p = run("coord", "--listen", f"127.0.0.1:{free_port()}", "--model", str(model), "--wait", "0.3", "--settle",
+            "0.1", "--prompt", "hi", "--token", "SECRET")
+    assert "warning: the fleet token is 6 characters" in p.stderr
+    p = run("coord", "--listen", f"127.0.0.1:{free_port()}", "--model", str(model), "--wait", "0.3", "--settle",
+            "0.1", "--prompt", "hi", "--insecure-open")
+    assert "WARNING: --insecure-open" in p.stderr and "MESH_TOKEN=" not in p.stderr
+
+
+@pytest.mark.parametrize("role", ["coord", "peer"])
+def test_ctrl_c_is_a_goodbye_and_exit_130(role, model):
+    port = free_port()
+    args = (["--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN] if role == "coord" else
+            ["--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--warmup", "0", "--token", TOKEN])
+    ready = "waiting for" if role == "coord" else "unreachable"
+    p = subprocess.Popen(mesh_cmd(role, *args), cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in p.stderr:                       # wait until it is up and waiting, then press Ctrl-C
+            seen.append(line)
+            if ready in line:
+                break
+        p.send_signal(signal.SIGINT)
+        rest = p.stderr.read()
+        assert p.wait(timeout=60) == 130, "".join(seen) + rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "Traceback" not in rest and rest.strip().splitlines()[-1] == f"mesh-{role}: interrupted; bye"
+
+
+@pytest.mark.slow
+def test_retry_for_gives_up_on_an_unreachable_coordinator():
+    p = run("peer", "--join", f"127.0.0.1:{free_port()}", "--listen", "127.0.0.1:0", "--warmup", "0",
+            "--retry-for", "1", "--token", TOKEN)
+    assert p.returncode == 1
+    one_line_error(p, "mesh-peer", "unreachable for", "--retry-for 1")
