@@ -8,7 +8,7 @@
 #                              (bench/matvec_bench.py), the engine bench on every file
 #   bench/h200_synth.sh two    waits for the build, llama-bench on every file, then engine runs left over
 #                              ($ENGINE2: "file@layout ...", layout = MESH_GPU_MV's value), then per-kernel GPU
-#                              time of one decode step of the files in $PROFILE (bench/decode_profile.py)
+#                              time of one decode step of the files in $PROFILE_FILES (bench/decode_profile.py)
 #   bench/h200_synth.sh three  one call on a fresh machine after a kernel change: tests on CUDA, the matvec sweep,
 #                              the engine on every file (no llama.cpp: take its figures from a `two`)
 #
@@ -104,7 +104,7 @@ two)
   tail -3 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
   llamabench
   for spec in ${ENGINE2:-}; do engine ${spec%%@*} engine2.txt ${spec#*@}; done  # file@layout, layout "" = default
-  for f in ${PROFILE:-}; do profile $f; done
+  for f in ${PROFILE_FILES:-}; do profile $f; done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

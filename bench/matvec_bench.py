@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q8_0,Q4_0")
     ap.add_argument("--layouts", default="default")
     ap.add_argument("--ceiling", action="store_true")
+    ap.add_argument("--as-engine", action="store_true", help="fuse as the engine does: the RMS norm into qkv, gate_up "
+                    "and head, the residual add into o and down (checked against numpy alike)")
     ap.add_argument("--mats", default="", help="comma list of the shape's matrices (default all)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
@@ -77,14 +79,23 @@ def main() -> None:
                               (rows, cols), Q[qt]) for _ in range(copies)]
             x_np = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
             x = Tensor(x_np, device=dev).realize()
-            want = (x_np.astype(np.float64) @ dequantize(raw[:min(rows, 4096)], Q[qt]).reshape(-1, cols).T.astype(np.float64))
+            xin, kw, add = x_np.astype(np.float64), {}, 0.0
+            if a.as_engine and mname in ("qkv", "gate_up", "head"):
+                nw = np.random.default_rng(2).standard_normal(cols).astype(np.float32)
+                kw["norm"] = (Tensor(nw, device=dev).realize(), 1e-5)
+                xin = xin / np.sqrt((xin ** 2).mean(-1, keepdims=True) + 1e-5) * nw
+            elif a.as_engine:
+                r = np.random.default_rng(3).standard_normal((1, rows)).astype(np.float32)
+                kw["residual"] = Tensor(r, device=dev).realize()
+                add = r[:, :min(rows, 4096)]
+            want = xin @ dequantize(raw[:min(rows, 4096)], Q[qt]).reshape(-1, cols).T.astype(np.float64) + add
             del raw, rest, halfs
             for layout in a.layouts.split(","):
                 os.environ["MESH_GPU_MV"] = layout.replace(":", ",")
 
                 @TinyJit
                 def step(x: Tensor) -> list[Tensor]:
-                    return [w.matmul_t(x).realize() for w in ws]
+                    return [w.matmul_t(x, **kw).realize() for w in ws]
                 try:
                     t0 = time.perf_counter()
                     for _ in range(3):

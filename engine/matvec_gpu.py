@@ -33,7 +33,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo
 F32, U32 = dtypes.float32, dtypes.uint32
 LOG2E = 1.4426950408889634
 MAGIC = 0x4B000000  # the bits of 2^23: OR'ed with an integer below 2^23 the float reads 2^23 + that integer
-LOADS = 8  # values of each sub-block a thread reads (loads in flight per sub-block)
+TW = 8  # threads sharing a block's values (a Q8_0 thread reads 4 of them: 4 16-byte loads)
 THREADS = 256  # the most threads of a block
 
 
@@ -65,13 +65,14 @@ FAST = {  # ggml type -> (quant as float, offsets folded)
 }
 
 
-def gpu_layout(nb: int, width: int) -> tuple[int, int]:
-    """(TW, P): TW threads share each sub-block's `width` values, P blocks side by side (a divisor of nb), at most
-    THREADS threads a block. MESH_GPU_MV="TW,THREADS" overrides both numbers."""
+def gpu_layout(nb: int, width: int) -> tuple[int, int, int]:
+    """(TW, P, BU): TW threads share each sub-block's `width` values, P blocks side by side, BU blocks a thread reads
+    per loop step (BU * P divides nb), at most THREADS threads a block. MESH_GPU_MV="TW,THREADS[,BU]" overrides."""
     env = os.environ.get("MESH_GPU_MV", "")
-    tw, most = (int(v) for v in env.split(",")[:2]) if "," in env else (max(1, width // LOADS), THREADS)
+    tw, most, bu = (int(v) for v in (env.split(",") + ["1"])[:3]) if "," in env else (TW, THREADS, 1)
     tw = max(d for d in range(1, width + 1) if width % d == 0 and d <= tw)
-    return tw, max(d for d in range(1, nb + 1) if nb % d == 0 and d * tw <= most)
+    bu = max(d for d in range(1, bu + 1) if nb % d == 0)
+    return tw, max(d for d in range(1, nb // bu + 1) if (nb // bu) % d == 0 and d * tw <= most), bu
 
 
 def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
@@ -83,7 +84,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         G, nb, _, il = halfs.shape
         W = spec.width
         N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
-        TW, P = gpu_layout(nb, W)
+        TW, P, BU = gpu_layout(nb, W)
         J = W // TW
         norm_w = extra[0] if fused.norm is not None else None
         res = extra[-1] if fused.residual else None
@@ -109,47 +110,52 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
             return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
 
-        bi = UOp.range(nb // P, 5, AxisType.REDUCE)
-        b = bi * P + p if P > 1 else bi
-        if words:
-            byte = lambda k: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
-        else:
-            byte = lambda k: rest[g, b, k, u].cast(U32)
-        half = lambda i: halfs[g, b, i, u].cast(F32)
+        bi = UOp.range(nb // (P * BU), 5, AxisType.REDUCE)
         acc = UOp.placeholder((il,), F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(*outer)[u].set(0.0)
-        if norm_w is not None:  # the squares of the x this thread reads: values jt, jt + TW, ... of its blocks
+        if norm_w is not None:  # the squares of the x this thread reads, summed in the same loop
             ss = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
-            bj, c = UOp.range(nb // P, 8, AxisType.REDUCE), UOp.range(E // TW, 9, AxisType.REDUCE)
-            xi = ((bj * P + p) if P > 1 else bj) * E + c * TW + jt
             ss = ss.after(*outer)[0].set(0.0)
-            ss = ss[0].set(ss.after(bj, c)[0] + x[n, xi] * x[n, xi], end=(c, bj))
         # per sub-block: J products summed, then the scale (and offset: times the sum of the x read); sub-blocks of
-        # one (scale, offset) are summed first
-        groups: dict[tuple, list] = {}
-        for si in range(spec.sub):
-            base = b * E + si * W
-            dot, xs = None, None
-            for jv in range(J):
-                jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
-                xj = xv(base + jj)
-                q = fast(byte, si, jj) if fast is not None else _float_signed(spec.q(lambda k: byte(k).cast(dtypes.int), si, jj))
-                dot = q * xj if dot is None else dot + q * xj
-                xs = xj if xs is None else xs + xj
-            bint = lambda k: byte(k).cast(dtypes.int)
-            scale = spec.scale(bint, half, si)
-            offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
-            key = (scale, offset)
-            if key in groups:
-                groups[key][0] = groups[key][0] + dot
-                groups[key][1] = groups[key][1] + xs
+        # one (scale, offset) are summed first. BU blocks a step, written out here: all their loads go first
+        term, sq = None, None
+        for ub in range(BU):
+            b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
+            if words:
+                byte = lambda k, b=b: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
             else:
-                groups[key] = [dot, xs]
-        term = None
-        for (scale, offset), (dot, xs) in groups.items():
-            part = dot * scale if offset is None else dot * scale + xs * offset
-            term = part if term is None else term + part
-        acc = acc[u].set(acc.after(bi)[u] + term, end=bi)
+                byte = lambda k, b=b: rest[g, b, k, u].cast(U32)
+            half = lambda i, b=b: halfs[g, b, i, u].cast(F32)
+            bint = lambda k, byte=byte: byte(k).cast(dtypes.int)
+            groups: dict[tuple, list] = {}
+            for si in range(spec.sub):
+                base = b * E + si * W
+                dot, xs = None, None
+                for jv in range(J):
+                    jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
+                    if norm_w is not None:
+                        sq = x[n, base + jj] * x[n, base + jj] if sq is None else sq + x[n, base + jj] * x[n, base + jj]
+                    xj = xv(base + jj)
+                    q = fast(byte, si, jj) if fast is not None else _float_signed(spec.q(bint, si, jj))
+                    dot = q * xj if dot is None else dot + q * xj
+                    xs = xj if xs is None else xs + xj
+                scale = spec.scale(bint, half, si)
+                offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
+                if (scale, offset) in groups:
+                    groups[(scale, offset)][0] += dot
+                    groups[(scale, offset)][1] += xs
+                else:
+                    groups[(scale, offset)] = [dot, xs]
+            for (scale, offset), (dot, xs) in groups.items():
+                part = dot * scale if offset is None else dot * scale + xs * offset
+                term = part if term is None else term + part
+        step = acc[u].store(acc.after(bi)[u] + term)
+        if norm_w is not None:  # one loop end for both sums (two ends of one range are two loops)
+            step = UOp.group(step, ss[0].store(ss.after(bi)[0] + sq))
+        step = step.end(bi, *[v for v in (w, e) if v is not zero])  # the lanes too: the squares have none
+        acc = acc.after(step)
+        if norm_w is not None:
+            ss = ss.after(step)
         # the S partial sums of each row (and of the squares) through shared memory, added in two rounds
         smem = UOp.placeholder((S * il,), F32, 100, addrspace=AddrSpace.LOCAL)
         parts = smem[t * il + u].store(acc[u]).end(*[v for v in (w, e) if v is not zero])
@@ -211,6 +217,6 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         store = out[n, row.valid(ok)].store(y)
         if K > 1:
             store = store.end(kk)
-        return store.end(n, g, *threads).sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}_t{TW}p{P}",
+        return store.end(n, g, *threads).sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}_t{TW}p{P}u{BU}",
                                                              opts_to_apply=()))
     return kernel

@@ -55,8 +55,16 @@ def test_gpu_matvec_other_types_on_the_python_device(qtype):  # 20-60 s each: th
 
 def test_gpu_layout_divides_the_blocks(monkeypatch):
     monkeypatch.delenv("MESH_GPU_MV", raising=False)
-    assert gpu_layout(128, 32) == (4, 64)  # Q8_0, 4096 columns: 8 values of a block a thread, 256 threads
-    assert gpu_layout(448, 16) == (2, 112)  # Q4_0, 14336 columns
-    assert gpu_layout(7, 32) == (4, 7)  # a prime number of blocks: all side by side
-    monkeypatch.setenv("MESH_GPU_MV", "8,128")
-    assert gpu_layout(128, 32) == (8, 16)
+    assert gpu_layout(128, 32) == (8, 32, 1)  # Q8_0, 4096 columns: 4 values of a block a thread, 256 threads
+    assert gpu_layout(448, 16) == (8, 32, 1)  # Q4_0, 14336 columns
+    assert gpu_layout(7, 32) == (8, 7, 1)  # a prime number of blocks: all side by side
+    monkeypatch.setenv("MESH_GPU_MV", "4,128,2")
+    assert gpu_layout(128, 32) == (4, 32, 2)
+    assert gpu_layout(7, 32) == (4, 7, 1)  # 2 blocks a step do not divide 7
+
+
+@pytest.mark.parametrize("layout", ["4,256,2", "32,128,1", "2,64,4"])
+def test_gpu_matvec_layouts_on_the_python_device(layout, monkeypatch):
+    monkeypatch.setenv("MESH_GPU_MV", layout)
+    check("Q8_0", 32, 512, 1, "norm")
+    check("Q4_1", 16, 256, 2, "plain")
