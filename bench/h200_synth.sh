@@ -99,6 +99,29 @@ three)  # a kernel change measured again on a fresh machine: tests on CUDA, the 
   for f in 1.1b-Q8_0 1.1b-Q4_0 8b-Q4_0 8b-Q8_0; do engine $f engine.txt; done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
+four)  # a fresh machine after a kernel change: hardware counters of two matvecs (ncu), the GPU kernel tests on CUDA,
+  # the layout sweep fused as the engine fuses, then the engine on $ENGINE1 ("file[@layout] ...")
+  for f in 1.1b-Q8_0 1.1b-Q4_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done 2>&1 | tee "$OUT/synth.txt"
+  ( for f in 8b-Q4_0 8b-Q8_0; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done \
+    >> "$OUT/synth.txt" 2>&1; touch $M/.8b ) &
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  for qt in Q8_0 Q4_0; do
+    echo "== ncu $qt gate_up, ${NCU_LAYOUT:-default}"
+    DEV=CUDA timeout 90 $NCU --clock-control none --kernel-name regex:mv_ --launch-count 1 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+      python3 bench/matvec_bench.py --shape 8b --types $qt --mats gate_up --layouts ${NCU_LAYOUT:-default} --reps 1 \
+      2>&1 | grep -v "Warning\|^==PROF==" >> "$OUT/ncu.txt"
+  done
+  grep -E "^  mv_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Block Limit" "$OUT/ncu.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    2>&1 | grep -v "Warning\|warn" | tail -4 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA timeout 200 python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --mats qkv,o,gate_up,down --as-engine \
+    --layouts ${LAYOUTS:-default,16:256,32:256,8:256:2,8:128} 2>&1 | grep -v Warning > "$OUT/matvec.txt"
+  sed -n '/^summary/,$p' "$OUT/matvec.txt"
+  while [ ! -f $M/.8b ]; do sleep 2; done
+  for spec in ${ENGINE1:-8b-Q8_0 8b-Q4_0 1.1b-Q8_0 1.1b-Q4_0}; do engine ${spec%%@*} engine.txt ${spec#*@}; done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done
   tail -3 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
