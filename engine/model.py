@@ -15,7 +15,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
-from .loader import Weight, rms_norm, zero_rows
+from .loader import Weight, device_empty, rms_norm, zero_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +70,9 @@ class Block:
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim = n_heads, n_kv_heads, head_dim, rope_dim
         self.eps = norm_eps
         shape = (n_slots, n_kv_heads, max_context, head_dim)
-        self.cache_k = Tensor.zeros(*shape, dtype=kv_dtype).contiguous().realize()
-        self.cache_v = Tensor.zeros(*shape, dtype=kv_dtype).contiguous().realize()
+        self.cache_k, self.cache_v = device_empty(shape, kv_dtype), device_empty(shape, kv_dtype)
+        for c in (self.cache_k, self.cache_v):  # zeroed with raw copies: no kernel to schedule at load
+            zero_rows(c, 0, n_slots)
 
     def _lin(self, x: Tensor, name: str, **fused) -> Tensor:
         y = self.w[name + ".weight"].matmul_t(x, **fused)

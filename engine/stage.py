@@ -17,7 +17,7 @@ from tinygrad.dtype import _to_np_dtype
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
-                     free_device_cache, load_fused, load_weight, tensor_info, write_into)
+                     device_empty, free_device_cache, load_fused, load_weight, tensor_info, write_into)
 from .model import Block, Group, Head, make_block, rope_inputs
 from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
 from .program_cache import enabled as program_cache_enabled
@@ -339,9 +339,10 @@ class Stage:
         return out
 
     def _run(self, x_np: np.ndarray, runs: Sequence[tuple[int, int, int, int]], size: int,
-             picks: tuple[int, ...]) -> np.ndarray:
+             picks: tuple[int, ...], execute: bool = True) -> np.ndarray | None:
         """One compiled step over the rows of x_np in `runs` (col, n, slot, pos), zero rows appended up to `size`
-        (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks`."""
+        (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks`.
+        execute=False (warmup): only compile the shape, when that needs no run (None returned)."""
         n_real = len(x_np)
         positions = np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
         jit_runs = tuple((col, n) for col, n, _, _ in runs)
@@ -365,8 +366,7 @@ class Stage:
             binds += [UOp.variable(f"pick{j}", 0, size - 1).bind(i) for j, i in enumerate(picks)]
         inputs = self._inputs.get(shape)
         if inputs is None:
-            inputs = self._inputs[shape] = tuple(Tensor.zeros(*a.shape, dtype=dtypes.float32).contiguous().realize()
-                                                 for a in (x_np, cos_np, sin_np))
+            inputs = self._inputs[shape] = tuple(device_empty(a.shape, dtypes.float32) for a in (x_np, cos_np, sin_np))
         for t, a in zip(inputs, (x_np, cos_np, sin_np)):
             write_into(t, a)
         fn = self._jits.get(shape)
@@ -374,35 +374,49 @@ class Stage:
             fn = partial(self._graph, shape)
             if self._use_jit:
                 fn = self._jits[shape] = self._capture(shape, inputs, binds)
+        if not execute and self._use_jit and fn.captured is not None:  # compiled without running (warmup)
+            self._replay_for(shape, fn, inputs)
+            self._after_new_shape()
+            return None
         replay = self._replays.get(shape)
         if replay is not None:
             result = replay({v.expr: val for v, val in (b.unbind() for b in binds)})
         else:
             result = fn(*inputs, *binds)
-            if self._use_jit and shape not in self._replays and fn.captured is not None:
-                try:
-                    self._replays[shape] = CpuReplay(fn, inputs)
-                except NotReplayable:
-                    self._replays[shape] = None
+            if self._use_jit and fn.captured is not None:
+                self._replay_for(shape, fn, inputs)
         if not self.last:
             out = _copy_out(result)[:n_real]
         elif wanted:
             out = _copy_out(result)
         else:
             out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
-        if new_shape:       # the capture's scratch buffers now sit in the allocator's cache; the jit keeps its own
-            _release_freed_memory()
-            if self._program_file is not None and self._use_jit:
-                self._programs_on_disk = save_programs(
-                    self._program_file, [j.captured.linear for j in self._jits.values() if j.captured is not None],
-                    self._programs_on_disk)
+        if new_shape:
+            self._after_new_shape()
         return out
+
+    def _replay_for(self, shape, fn, inputs) -> None:
+        if shape not in self._replays:
+            try:
+                self._replays[shape] = CpuReplay(fn, inputs)
+            except NotReplayable:
+                self._replays[shape] = None
+
+    def _after_new_shape(self) -> None:
+        # the capture's scratch buffers now sit in the allocator's cache (the jit keeps its own); its programs go
+        # to disk for the next process
+        _release_freed_memory()
+        if self._program_file is not None and self._use_jit:
+            self._programs_on_disk = save_programs(
+                self._program_file, [j.captured.linear for j in self._jits.values() if j.captured is not None],
+                self._programs_on_disk)
 
     def warmup(self, decode_batch: int | None = None) -> WarmupResult:
         """Compile every step shape a session goes through, so that no step waits for tinygrad to schedule and
         compile: decode steps of 1..decode_batch sequences (default n_slots; each one column in its own slot) and a
-        chunk of each prefill bucket that fits the context. Runs them on scratch data in the slots, then clears the
-        slots (`reset`): it belongs right after `load`, and refuses when a slot holds positions. Leaves no trace a
+        chunk of each prefill bucket that fits the context. A shape assembled from layer templates is only built
+        (no step runs); one captured whole runs once on scratch data in the slots. Then clears the slots
+        (`reset`): it belongs right after `load`, and refuses when a slot holds positions. Leaves no trace a
         later step could see: the same kernels run whether a shape was compiled here or by the step that needs it.
         A no-op for a stage loaded with jit=False (nothing is kept between steps)."""
         if any(self._lengths):
@@ -420,10 +434,11 @@ class Stage:
             return np.zeros((n, self.dim), self.act_dtype)
 
         for k in range(1, widths + 1):  # batched decode: slot i at position 0, every column with logits
-            self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else ())
+            self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else (),
+                      execute=False)
         for b in PREFILL_BUCKETS:  # a prompt's chunk; the logits (if any) on one row, which is a bound variable
             if b <= self.max_context:
-                self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else ())
+                self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else (), execute=False)
         self.zero_slot(0)  # compiles the session start's slot clearing too
         self.reset()
         return WarmupResult((time.perf_counter() - t0) * 1000, len(self._jits) - before)
