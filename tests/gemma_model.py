@@ -29,3 +29,10 @@ def gemma3_path() -> Path:
     if isinstance(found, str):
         pytest.skip(found)
     return found
+
+
+@functools.lru_cache(maxsize=1)
+def gemma3_tokenizer():
+    """The file's tokenizer, built once per test process (its 262k-token merge list takes seconds)."""
+    from engine.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(gemma3_path())

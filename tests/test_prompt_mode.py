@@ -8,7 +8,7 @@ import pytest
 
 from engine.chat import ChatError, describe_prompt_mode, render_prompt
 from engine.tokenizer import Tokenizer
-from tests.gemma_model import gemma3_path
+from tests.gemma_model import gemma3_tokenizer
 
 
 def tok(template: str | None, name: str) -> Tokenizer:
@@ -43,7 +43,7 @@ def test_template_and_raw_modes_are_described():
 
 
 def test_gemma3_270m_has_no_template_and_goes_raw_after_bos():
-    g = Tokenizer.from_gguf(gemma3_path())
+    g = gemma3_tokenizer()
     assert describe_prompt_mode(g, "auto")[0] == "raw"
     ids = g.encode(render_prompt(g, "The capital of France is"))
     assert ids[0] == g.bos_id == 2 and g.decode(ids[1:]) == "The capital of France is"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.tokenizer import StreamDecoder, Tokenizer, read_tokenizer_metadata
-from tests.gemma_model import gemma3_path
+from tests.gemma_model import gemma3_path, gemma3_tokenizer
 
 GOLDEN = Path(__file__).parent / "data" / "gemma3_tokenizer_golden.json"
 
@@ -83,7 +83,7 @@ def gemma():
             h.update(block)
     assert h.hexdigest() == data["model_sha256"], f"{GOLDEN.name} was made for another file; rerun " \
                                                   "bench/make_tokenizer_golden.py --gemma"
-    return path, data, Tokenizer.from_gguf(path)
+    return path, data, gemma3_tokenizer()
 
 
 def test_golden_corpus_is_varied(gemma):
