@@ -1,10 +1,16 @@
 """Codec and Link costs: frame encode+decode per decode-step message, a Step->Tokens round trip and bulk throughput
 over loopback TCP through the Link (auth, credit window, heartbeats), against raw trio TCP for the same bytes.
 
-    .venv/bin/python bench/link_bench.py
+    .venv/bin/python bench/link_bench.py [--seal-compare N]
+
+Links are sealed (ChaCha20-Poly1305, mesh/proto/seal.py) as they always are now. `--seal-compare N` runs every
+figure N times sealed and N times with sealing switched off in this process (Codec.seal made a no-op on both ends),
+interleaved, and prints the medians side by side.
 """
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 from functools import partial
 
@@ -17,8 +23,10 @@ TOKEN = b"bench-fleet-token"
 STEP = proto.Step(0, 0, 7, (), proto.Activation("f16", (1, 576), bytes(1152)))
 
 
-def codec_cost(n: int = 20000) -> float:
+def codec_cost(n: int = 20000, sealed: bool = True) -> float:
     codec = proto.Codec()
+    if sealed:
+        codec.seal(bytes(32), bytes(32))     # one codec seals and opens its own frames: same key both ways
     t = time.perf_counter()
     for _ in range(n):
         codec.receive_data(codec.send(STEP))
@@ -91,7 +99,33 @@ async def link_figures(rounds: int = 2000, bulk_mb: int = 256) -> dict:
     return out
 
 
+def _run(sealed: bool) -> dict:
+    real = proto.Codec.seal
+    if not sealed:
+        proto.Codec.seal = lambda self, send_key=None, receive_key=None: None
+    try:
+        out = trio.run(link_figures)
+    finally:
+        proto.Codec.seal = real
+    out["codec_us"] = codec_cost(sealed=sealed)
+    return out
+
+
 if __name__ == "__main__":
-    print(f"codec encode+decode Step(f16 1x576): {codec_cost():.1f} us/frame")
-    for k, v in trio.run(link_figures).items():
-        print(f"{k}: {v:.1f}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seal-compare", type=int, default=0, metavar="N")
+    args = ap.parse_args()
+    if not args.seal_compare:
+        print(f"codec encode+decode Step(f16 1x576): {codec_cost():.1f} us/frame (sealed)")
+        for k, v in trio.run(link_figures).items():
+            print(f"{k}: {v:.1f}")
+    else:
+        runs: dict[bool, list[dict]] = {True: [], False: []}
+        for _ in range(args.seal_compare):
+            for sealed in (True, False):
+                runs[sealed].append(_run(sealed))
+        print(f"{'figure':<16}{'sealed':>12}{'not sealed':>12}{'ratio':>8}   (medians of {args.seal_compare} runs each)")
+        for key in runs[True][0]:
+            a = statistics.median(r[key] for r in runs[True])
+            b = statistics.median(r[key] for r in runs[False])
+            print(f"{key:<16}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}")

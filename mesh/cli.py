@@ -310,12 +310,14 @@ async def _chat(coord, nursery, args, sampling) -> None:
     line: str | None = None       # the turn being answered; kept across a re-form
     shown = 0                     # characters of that turn's answer already on the user's screen
     retries = 0
-    lost: list = []               # the members of a session that lost a stage
-    print("mesh chat: type a message, an empty line or Ctrl-D ends.", file=sys.stderr, flush=True)
+    lost: list = []               # the members of a session that lost a stage (or whose answer was stopped)
+    rejoin = 0                    # how many of them must be back before the next fleet forms
+    print("mesh chat: type a message, an empty line or Ctrl-D ends; Ctrl-C stops an answer.", file=sys.stderr,
+          flush=True)
     while True:
         if lost:
             with trio.move_on_after(REJOIN_SECONDS):       # then whoever is pooled forms the next fleet
-                await coord.registry.wait_rejoined(lost, len(lost) - 1)
+                await coord.registry.wait_rejoined(lost, rejoin)
             coord.cfg = replace(coord.cfg, min_peers=1)
         async with AsyncExitStack() as stack:
             fleet, pipe = await coord.form(nursery, stack)
@@ -335,9 +337,19 @@ async def _chat(coord, nursery, args, sampling) -> None:
                         break
                     common += 1
                 screen = _Shown(sys.stdout, skip=shown)
+                got: list[int] = []
                 try:
-                    out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
-                                             resume_from=common, stream_to=screen)
+                    out = await _stoppable(coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
+                                                        resume_from=common, stream_to=screen, on_token=got.append))
+                except _Stopped:
+                    # Ctrl-C stops this answer only. Steps may still be in flight down the chain, so the session
+                    # closes and the fleet re-forms (the peers keep their layers); the conversation goes on.
+                    print("\nmesh chat: answer stopped", file=sys.stderr, flush=True)
+                    history += [{"role": "user", "content": line},
+                                {"role": "assistant", "content": coord.tokenizer.decode(
+                                    [t for t in got if t not in coord.tokenizer.eos_ids])}]
+                    line, lost, rejoin = None, fleet.members, len(fleet.members)
+                    break
                 except SessionError as exc:
                     shown = max(shown, screen.written)
                     retries += 1
@@ -345,7 +357,7 @@ async def _chat(coord, nursery, args, sampling) -> None:
                         raise
                     print(f"\nmesh chat: {exc}; re-forming the mesh from the peers that are left "
                           f"(attempt {retries} of {CHAT_RETRIES})", file=sys.stderr, flush=True)
-                    lost = fleet.members
+                    lost, rejoin = fleet.members, len(fleet.members) - 1
                     break                 # leaving the session sends every surviving peer back to re-join
                 sys.stdout.write("\n")
                 held = ids + out[:-1]     # the last token was generated but never fed back
@@ -353,6 +365,33 @@ async def _chat(coord, nursery, args, sampling) -> None:
                             {"role": "assistant", "content": coord.tokenizer.decode(
                                 [t for t in out if t not in coord.tokenizer.eos_ids])}]
                 line = None
+
+
+class _Stopped(Exception):
+    """Ctrl-C during a chat answer."""
+
+
+async def _stoppable(answer):
+    """Run one answer; Ctrl-C meanwhile cancels it and raises _Stopped instead of ending the program (at the prompt,
+    Ctrl-C keeps its usual meaning: goodbye, exit 130)."""
+    import signal
+    result: list = []
+    from mesh.errors import single_errors
+    with trio.open_signal_receiver(signal.SIGINT) as interrupts, single_errors():
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                async for _ in interrupts:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            async def run() -> None:
+                result.append(await answer)
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(watch)
+            nursery.start_soon(run)
+    if not result:
+        raise _Stopped()
+    return result[0]
 
 
 # ---- mesh-peer -----------------------------------------------------------------------------------------------

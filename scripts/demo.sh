@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PORT=${MESH_DEMO_PORT:-9000}
-export MESH_TOKEN=${MESH_TOKEN:-demo-$RANDOM$RANDOM}
+export MESH_TOKEN=${MESH_TOKEN:-$(.venv/bin/python -c "import secrets; print(secrets.token_urlsafe(24))")}
 PROMPT=${1:-"What is the capital of France? Answer in one sentence."}
 MODEL=$(.venv/bin/python -c "from engine.sources import default_model_path; print(default_model_path())")
 pids=()

@@ -141,3 +141,36 @@ def test_retry_for_gives_up_on_an_unreachable_coordinator():
             "--retry-for", "1", "--token", TOKEN)
     assert p.returncode == 1
     one_line_error(p, "mesh-peer", "unreachable for", "--retry-for 1")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
+    port = free_port()
+    peer = subprocess.Popen(mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--warmup",
+                                     "0", "--token", TOKEN, "--model", str(model)), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    coord = subprocess.Popen(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token",
+                                      TOKEN, "--settle", "0.2", "--template", "raw", "--max-tokens", "1900"),
+                             cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        coord.stdin.write("The quick brown fox jumps over the lazy dog.\n")
+        coord.stdin.flush()
+        seen = []
+        for line in coord.stderr:                   # the answer streams: press Ctrl-C
+            seen.append(line)
+            if "decoding" in line:
+                coord.send_signal(signal.SIGINT)
+            if "answer stopped" in line:
+                break
+        assert "answer stopped" in seen[-1], "".join(seen)
+        coord.stdin.write("\n")                      # the chat is still there: an empty line ends it
+        coord.stdin.close()
+        rest = coord.stderr.read()
+        assert coord.wait(timeout=60) == 0, "".join(seen) + rest
+        assert "Traceback" not in "".join(seen) + rest
+    finally:
+        for p in (peer, coord):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
