@@ -38,7 +38,7 @@ engine() {  # engine <file> <log name> [layout]
   local lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] || { echo "skip engine $1 ${3:-}: no time"; return; }
   [ "$lim" -gt 240 ] && lim=240
   echo "== engine $1 layout ${3:-default} (limit ${lim}s)"
-  MESH_GPU_MV=${3:-} DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$1.gguf --synthetic-prompt 16 \
+  MESH_GPU_MV=${3:-} MESH_GPU_CVT=$([ "${3:-}" = cast ] && echo cast) DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$1.gguf --synthetic-prompt 16 \
     --tokens 64 --ctx 256 --skip llama,memory,batch,split 2>&1 | grep -v Warning | tee -a "$OUT/$2"
 }
 
@@ -98,6 +98,22 @@ three)  # a kernel change measured again on a fresh machine: tests on CUDA, the 
   while [ ! -f $M/.8b ]; do sleep 2; done
   for f in 1.1b-Q8_0 1.1b-Q4_0 8b-Q4_0 8b-Q8_0; do engine $f engine.txt; done
   echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+final)  # one machine, side by side: llama-bench built in the background while the engine runs every file and the
+  # GPU kernel tests run on CUDA, then llama-bench on every file
+  date -u | tee "$OUT/env.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/env.txt"
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j12 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in $FILES; do python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-}; done 2>&1 | tee "$OUT/synth.txt"
+  for spec in ${ENGINE1:-8b-Q8_0 8b-Q4_0 1.1b-Q8_0 1.1b-Q4_0}; do engine ${spec%%@*} engine.txt ${spec#*@}; done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    tests/test_engine_quant.py -k "gpu or matvec" 2>&1 | grep -v "Warning\|warn" | tail -4 | tee "$OUT/pytest_cuda.txt"
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 100 ]; do sleep 5; done
+  llamabench
+  echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log)"
   ;;
 four)  # a fresh machine after a kernel change: hardware counters of two matvecs (ncu), the GPU kernel tests on CUDA,
   # the layout sweep fused as the engine fuses, then the engine on $ENGINE1 ("file[@layout] ...")

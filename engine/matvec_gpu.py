@@ -78,7 +78,9 @@ def gpu_layout(nb: int, width: int) -> tuple[int, int, int]:
 def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
     """The kernel for custom_kernel(out (N, rows) f32, rest, halfs, x (N, cols or 2 cols with glu) f32, [norm
     weight], [residual]); `spec` is engine.quant's BlockSpec of the type, `fused` its Fused."""
-    fast = FAST.get(ggml_type)
+    # MESH_GPU_CVT=cast: quants converted by casts (I2FP on Hopper) instead of the exponent trick, for A/B runs
+    fast = None if os.environ.get("MESH_GPU_CVT") == "cast" else FAST.get(ggml_type)
+    to_float = (lambda q: q.cast(F32)) if os.environ.get("MESH_GPU_CVT") == "cast" else _float_signed
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = halfs.shape
@@ -136,7 +138,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                     if norm_w is not None:
                         sq = x[n, base + jj] * x[n, base + jj] if sq is None else sq + x[n, base + jj] * x[n, base + jj]
                     xj = xv(base + jj)
-                    q = fast(byte, si, jj) if fast is not None else _float_signed(spec.q(bint, si, jj))
+                    q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
                     dot = q * xj if dot is None else dot + q * xj
                     xs = xj if xs is None else xs + xj
                 scale = spec.scale(bint, half, si)
