@@ -219,3 +219,7 @@ class _Pool:
 @functools.cache
 def _pool(n: int) -> _Pool:
     return _Pool(n)
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of its parent's threads: it starts its own pool
+    os.register_at_fork(after_in_child=_pool.cache_clear)
