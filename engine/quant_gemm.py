@@ -1,25 +1,36 @@
-"""Prefill on CPU: a GEMM over resident GGUF blocks that decodes each block once for several columns.
+"""Prefill on CPU: a GEMM over resident GGUF blocks that decodes each block once for all the step's columns.
 
-The matvec (engine/quant.py `_matvec_kernel`) runs its whole pass once per column: with N columns every block is
+The matvec (engine/quant.py `_matvec_kernel`) makes its whole pass once per column: with N columns every block is
 decoded N times, and decoding (byte loads, shifts, int -> float) costs more than the multiply-adds it feeds, so a
-16-column prefill chunk ran at ~7-10 GFLOPS on 2 cores. Here a block's value for IL interleaved rows is decoded
-once into IL SIMD lanes and multiplied into a tile of T columns (T x IL accumulators held in registers):
+16-column prefill chunk ran at ~7-10 GFLOPS on 2 cores. Here, per group of IL = 16 interleaved rows:
 
-    for each core's groups of IL rows, for each tile of T columns:
-        acc[T][IL] = 0
-        for each block, for each sub-block s (unrolled), for j in the sub-block:
-            w[IL] = q(s, j) * d_s + m_s                     decoded once ...
-            acc[t][:] += w * x[column t, value]             ... used T times
-        out[column, rows] = acc (+ residual)
+    accm[N][IL] = 0                                          every column's sums for these rows (stack memory)
+    for each block:
+        wb[value][IL] = q * d + m                            1. the block decoded once, into ~2 KB (16 KB K-quant)
+        for each tile of T columns:                          2. multiplied into T columns at a time
+            acc[T][IL] = accm[tile]                             T x IL accumulators in registers
+            for each value j: acc[t][:] += wb[j][:] * x[column t, j]
+            accm[tile] = acc
+    out[column][rows] = accm (+ residual)
+
+The inner loop is 2 vector loads of wb, T broadcasts of x and 2T 8-wide FMAs; with T = 4 the 8 accumulators, 2
+weights and the broadcasts fit AVX2's 16 registers (clang's output, read with llvm-mca: 8 FMAs an iteration, no
+spills; T = 8 spills). The decode is amortized over all N columns. How the C has to look for clang to vectorize it
+(tinygrad leaves vectorization to clang's SLP and loop vectorizers), each found by reading the generated code:
+  * wb and accm are REG placeholders, which tinygrad never groups into float4 accesses: a float4 store of the
+    accumulators made SLP pick 4-wide vectors and spill half of them;
+  * their indices are offset by one: tinygrad emits a run of stores base+1 ... base+15 with base+0 last, and
+    clang 14's SLP then starts its vectors at lane 1 (shuffles, scalar FMAs); with every index base+k, k >= 1, the
+    runs line up;
+  * the decode's lane loop is a real loop, not an UPCAST: clang's loop vectorizer turns it into 8 bytes -> 8 floats
+    per instruction group; unrolled lanes in a j loop were instead vectorized across j with byte gathers (5x slower).
 
 The sum is the f32 path's: value = q * d + m in f32, times x, summed in order of the values; the matvec instead
-sums q * x per sub-block and scales once (llama.cpp's order). Both are exact to float rounding; the fidelity bench
-holds the GEMM to llama.cpp as the matvec is held. A tile's columns past N re-read the last column (no guarded load
-in the inner loop) and are not stored.
-
-The RMS norm of the input (and silu(gate) * up) run as a small Tensor kernel before the GEMM, not inside it: fused,
-they would be recomputed for every group of IL rows and every value, 2 multiplies per x per column in the inner loop.
-Only the CPU runs this kernel (GPUs keep their matvec kernels); one column keeps the matvec (decode).
+sums q * x per sub-block and scales once (llama.cpp's order). Both are exact to float rounding (the fidelity bench
+keeps the default's agreement with llama.cpp equal to f32's). A ragged last tile re-reads the last column and its
+extra sums are never stored. The RMS norm of the input (and silu(gate) * up) run as a small Tensor kernel before
+the GEMM: fused, they would be recomputed for every group of rows. Only the CPU takes this path (GPUs keep their
+matvec kernels), and one column (decode) keeps the matvec.
 """
 from __future__ import annotations
 
@@ -34,7 +45,7 @@ if TYPE_CHECKING:  # quant imports this module
     from .quant import BlockSpec
 
 F32 = dtypes.float32
-TILE = 4  # columns per tile: T x IL accumulators (4 x 16 floats = 8 AVX2 registers, 4 NEON-pairs of 4 x 4)
+TILE = 4  # columns per tile: T x IL accumulators in registers (4 x 16 floats: 8 of AVX2's 16, 16 of NEON's 32)
 
 
 def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: bool):
@@ -47,7 +58,7 @@ def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: b
         core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads, 1)
         g = core * (G // threads) + gi
         # the sums of every column for this group's rows, in memory (N x il floats): a tile's T x il accumulators
-        # are loaded into registers for one block, then written back
+        # are loaded into registers for one block, then written back. accm and wb are indexed from 1 (see above)
         accm = UOp.placeholder((NT * T * il + 1,), F32, 0, addrspace=AddrSpace.REG)
         z = UOp.range(NT * T * il + 1, 2)
         accm = accm.after(gi, core)[z].set(0.0, end=z)
