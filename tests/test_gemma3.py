@@ -179,3 +179,9 @@ def test_local_layers_hold_only_their_ring(tiny):
     per_pos = 2 * 2 * KV_HEADS * HEAD_DIM * 4  # k and v, 2 slots, f32
     ring = WINDOW + gemma3_mod.RING_SLACK
     assert st.kv_bytes == per_pos * (6 * ring + 1 * 1024)
+
+
+def test_prefill_chunks_fit_the_ring_slack():
+    # a step writes its keys into the ring before attending: a chunk may hold at most RING_SLACK + 1 columns
+    from engine.stage import PREFILL_BUCKETS
+    assert max(PREFILL_BUCKETS) <= gemma3_mod.RING_SLACK + 1
