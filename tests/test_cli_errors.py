@@ -174,3 +174,67 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_metadata_of_the_wrong_kind_is_one_line(tmp_path):
+    """NaN, inf or a string where the GGUF needs a number: one line naming the file (three peers side by side)."""
+    from tests.tiny_gguf import write_tiny_gguf
+    bad = [write_tiny_gguf(tmp_path / f"bad{i}.gguf", n_layers=2, extra_kv={"llama.block_count": value})
+           for i, value in enumerate([float("nan"), float("inf"), "forty"])]
+    procs = [subprocess.Popen(mesh_cmd("peer", "--join", "127.0.0.1:9", "--retry-for", "1", "--token", TOKEN,
+                                       "--model", str(path)), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for path in bad]
+    for path, proc in zip(bad, procs):
+        out, err = proc.communicate(timeout=120)
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        assert p.returncode == 1
+        one_line_error(p, "mesh-peer", str(path))
+
+
+def test_a_peer_gone_mid_shipment_is_one_line(model):
+    """A modelless peer that takes the first chunk of its layers and vanishes: mesh-coord --prompt names it in one
+    line (it printed an exception-group traceback)."""
+    import trio
+
+    from mesh import proto
+    from mesh.link import open_link
+
+    port = free_port()
+    coord = subprocess.Popen(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token",
+                                      TOKEN, "--settle", "0.1", "--wait", "60", "--prompt", "hi"),
+                             cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+
+    async def fake_peer() -> None:
+        with trio.fail_after(60):
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    break
+                except OSError:
+                    await trio.sleep(0.1)
+            async with open_link(stream, token=TOKEN.encode(), role="client") as link:
+                await link.send(proto.Join(1, "", 1024))
+                while True:
+                    ev = await link.receive()
+                    if isinstance(ev, proto.InfoRequest):
+                        await link.send(proto.Info(0, 0, 0, 1024, False, "", "CPU", False))
+                    elif isinstance(ev, proto.Load):
+                        await link.send(proto.Ack(proto.MsgType.LOAD, int(proto.LoadCode.NEED_WEIGHTS), "ship"))
+                    elif isinstance(ev, proto.ShipBegin):
+                        await link.send(proto.ShipResume(0))
+                    elif isinstance(ev, proto.ShipChunk):
+                        await trio.aclose_forcefully(link.stream)     # gone, mid-shipment
+                        return
+    try:
+        try:
+            trio.run(fake_peer)
+        except Exception:
+            pass                                      # our own link notices it was cut: that is the point
+        err = coord.stderr.read()
+        assert coord.wait(timeout=60) == 1, err
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+            coord.wait()
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("mesh-coord: "), err
