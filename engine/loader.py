@@ -58,13 +58,17 @@ def tensor_info(g: GGUFFile, name: str, shape: tuple[int, ...]) -> TensorInfo:
     return info
 
 
-def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None) -> np.ndarray:
-    """The raw bytes of rows [r0, r1) of one tensor (all rows by default), shaped (rows, bytes per row)."""
+def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None,
+              into: np.ndarray | None = None) -> np.ndarray:
+    """The raw bytes of rows [r0, r1) of one tensor (all rows by default), shaped (rows, bytes per row); read
+    straight into `into` (a C-contiguous uint8 array of that shape) when given."""
     n_rows = info.shape[0] if len(info.shape) > 1 else 1
     r1 = n_rows if r1 is None else min(r1, n_rows)
     row_bytes = info.nbytes // n_rows
     # a writable buffer: tinygrad's GPU backends refuse to copy from a read-only one (CUDA: "not writable")
-    raw = bytearray((r1 - r0) * row_bytes)
+    raw = memoryview(into).cast("B") if into is not None else bytearray((r1 - r0) * row_bytes)
+    if len(raw) != (r1 - r0) * row_bytes:
+        raise ValueError(f"{info.name}: {len(raw)} bytes to read rows [{r0}, {r1}) of {row_bytes} bytes into")
     try:
         with open(g.path, "rb") as f:
             f.seek(info.offset + r0 * row_bytes)
@@ -73,7 +77,7 @@ def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None)
         raise ModelFormatError(f"{g.path}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
     if got != len(raw):
         raise ModelFormatError(f"{g.path}: truncated while reading tensor {info.name!r}")
-    return np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, row_bytes)
+    return into if into is not None else np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, row_bytes)
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -81,8 +85,12 @@ def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
     Rows are whole quant blocks, so this works on the raw bytes of any type: per head, rows (h, two) -> (two, h).
     """
+    return _unpermuted_view(rows, n_heads).reshape(rows.shape).copy()
+
+
+def _unpermuted_view(rows: np.ndarray, n_heads: int) -> np.ndarray:
     r, b = rows.shape
-    return rows.reshape(n_heads, r // n_heads // 2, 2, b).transpose(0, 2, 1, 3).reshape(r, b).copy()
+    return rows.reshape(n_heads, r // n_heads // 2, 2, b).transpose(0, 2, 1, 3)
 
 
 Q8_BLOCK = 32
@@ -228,7 +236,16 @@ def load_fused(g: GGUFFile, parts: list[tuple[TensorInfo, int]], mode: WeightMod
     if mode != "gguf" or any(len(i.shape) != 2 or i.ggml_type != first.ggml_type or i.shape[1] != first.shape[1]
                              for i, _ in parts) or first.ggml_type not in DOTS:
         return None
-    raw = np.concatenate([unpermute_rope_rows(read_rows(g, i), h) if h else read_rows(g, i) for i, h in parts])
+    # each part read straight into its rows of one array (un-permuted on the way for q/k): one copy fewer
+    raw = np.empty((sum(i.shape[0] for i, _ in parts), first.nbytes // first.shape[0]), np.uint8)
+    r = 0
+    for info, h in parts:
+        dst = raw[r:r + info.shape[0]]
+        if h:
+            dst.reshape(h, 2, info.shape[0] // h // 2, -1)[...] = _unpermuted_view(read_rows(g, info), h)
+        else:
+            read_rows(g, info, into=dst)
+        r += info.shape[0]
     return _load_blocks(g, first, 0, whole=raw)
 
 
@@ -241,7 +258,7 @@ def device_empty(shape: tuple[int, ...], dtype) -> Tensor:
     SmolLM2 stage's load)."""
     buf = UOp.new_buffer(Device.DEFAULT, math.prod(shape), dtype)
     buf.buffer.ensure_allocated()
-    return Tensor(buf).reshape(shape)
+    return Tensor(buf.reshape(tuple(shape)))
 
 
 def write_into(t: Tensor, a: np.ndarray, offset: int = 0) -> None:

@@ -138,6 +138,7 @@ class Stage:
         self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
         self._program_file: Path | None = None  # engine/program_cache.py: set by load when the cache is on
         self._programs_on_disk: set[tuple] = set()
+        self._programs_loaded = False
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
@@ -213,10 +214,9 @@ class Stage:
         _release_freed_memory()
         stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
                     weight_bytes=weight_bytes, use_jit=jit)
-        if jit and program_cache_enabled():  # kernels compiled by an earlier process for this configuration
+        if jit and program_cache_enabled():  # step templates and kernels of earlier processes, read when needed
             stage._program_file = cache_path(meta.fingerprint, start, end, n_slots, max_context, weights, kv_dtype,
                                              Device.DEFAULT)
-            stage._programs_on_disk = load_programs(stage._program_file)
         return stage
 
     # ---- KV slots
@@ -457,6 +457,7 @@ class Stage:
                     return capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds, stored)[0]
                 except Exception:  # noqa: BLE001 (a stale or damaged template is never trusted: captured anew)
                     _release_freed_memory()
+            self._load_programs()
             try:
                 fn, used = capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds)
             except NotShareable:
@@ -465,9 +466,16 @@ class Stage:
                 if path is not None:
                     write_blob(path, used)
                 return fn
+        self._load_programs()
         fn = TinyJit(partial(self._graph, shape))
         fn.cnt = 1
         return fn
+
+    def _load_programs(self) -> None:
+        """Before something compiles: the kernels earlier processes compiled for this configuration (read once)."""
+        if self._program_file is not None and not self._programs_loaded:
+            self._programs_loaded = True
+            self._programs_on_disk = load_programs(self._program_file)
 
     def _template_file(self, shape) -> Path | None:
         """Where the step templates of a shape are kept (with the stage's programs; None: the cache is off)."""

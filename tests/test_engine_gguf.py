@@ -51,7 +51,7 @@ def test_range_only_file_reports_its_source(tmp_path):
 def test_loader_reads_only_its_range(llama, monkeypatch):
     read = []
     real = loader.read_rows
-    monkeypatch.setattr(loader, "read_rows", lambda g, info, *rows: read.append(info.name) or real(g, info, *rows))
+    monkeypatch.setattr(loader, "read_rows", lambda g, info, *rows, **kw: read.append(info.name) or real(g, info, *rows, **kw))
     s = Stage.load(llama, 2, 3, max_context=16, weights="f32")
     assert read and all(n.startswith("blk.2.") for n in read)
     tensors = read_gguf(llama).tensors
