@@ -56,10 +56,10 @@ def main() -> None:
     if a.warmup and hasattr(stage, "warmup"):
         each, run = [], stage._run  # time each shape's compile: wrap the one-step runner warmup calls per shape
 
-        def timed(x, runs, size, picks):
+        def timed(x, runs, size, picks, **kw):
             t = time.perf_counter()
             try:
-                return run(x, runs, size, picks)
+                return run(x, runs, size, picks, **kw)
             finally:
                 each.append(f"{size}x{len(runs)}:{time.perf_counter() - t:.1f}s")
         stage._run = timed
