@@ -214,3 +214,39 @@ def test_identity_is_remembered_by_path_size_mtime_and_inode(tmp_path):
     a.write_bytes(bytes(data))                                   # same size; a new mtime
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert model_identity(a, memo) != first
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "randomized range", "no digest"])
+async def test_a_damaged_cached_range_is_reported_and_shipped_again(tmp_path, damage, caplog):
+    """A modelless peer's cached range is checked byte for byte against the Load's digest before it loads: one
+    flipped bit (size and mtime unchanged) or a randomized range answers NEED_WEIGHTS, and the entry is gone."""
+    from mesh.identity import verify_file
+    from mesh.peer import Peer, PeerConfig
+    src = write_tiny_gguf(tmp_path / "src.gguf", n_layers=2, ffn_dim=512, vocab_size=64)
+    identity = model_identity(src)
+    plan = plan_range_gguf(src, 0, 1, fingerprint=identity)
+    digest = plan.sha256()
+    cache = tmp_path / "cache"
+    (cache / identity).mkdir(parents=True)
+    entry = plan.write_to(cache / identity / plan.name)
+    assert verify_file(entry, digest) and complete_entry(cache, identity, 0, 1) == entry
+    st = entry.stat()
+    data = bytearray(entry.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "randomized range":
+        half = len(data) // 2                                    # the header stays, the weights are noise
+        data[half:] = os.urandom(len(data) - half)
+    entry.write_bytes(bytes(data))
+    os.utime(entry, ns=(st.st_atime_ns, st.st_mtime_ns))       # as bit rot would: same size, same mtime
+    assert complete_entry(cache, identity, 0, 1) == entry        # the header still says it is that range
+    peer = Peer(PeerConfig(join="127.0.0.1:9", token=TOKEN, cache_dir=cache))
+    load = proto.Load(0, 1, 2, identity, b"" if damage == "no digest" else digest)
+    with caplog.at_level(logging.WARNING, logger="mesh.peer"):
+        code, reason = await peer._handle_load(load)
+    assert code == proto.LoadCode.NEED_WEIGHTS
+    if damage == "no digest":
+        assert entry.exists() and "digest" in reason
+    else:
+        assert "digest check" in reason and not entry.exists()
+        assert "do not match the coordinator's digest" in caplog.text
