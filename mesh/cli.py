@@ -23,7 +23,7 @@ def _expected_kinds() -> tuple[type, ...]:
     from mesh.link import LinkError
     from mesh.proto import ProtoError
     from transport import TransportError
-    return (MeshError, EngineError, RangeGGUFError, LinkError, ProtoError, TransportError, OSError)
+    return (MeshError, EngineError, RangeGGUFError, LinkError, ProtoError, TransportError, OSError, trio.TooSlowError)
 
 
 def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
@@ -36,7 +36,9 @@ def _exit_on(prog: str, kinds: tuple[type, ...], exc: BaseException) -> None:
         _goodbye(prog)
     expected = [e for e in leaves if isinstance(e, kinds)]
     if expected and len(expected) == len(leaves):
-        sys.exit(f"{prog}: {clean(expected[0], 1000)}")
+        first = expected[0]
+        sys.exit(f"{prog}: {clean(first, 1000) or type(first).__name__}"
+                 + (" (a step took longer than its bound)" if isinstance(first, trio.TooSlowError) else ""))
     raise exc
 
 

@@ -238,3 +238,23 @@ def test_a_peer_gone_mid_shipment_is_one_line(model):
             coord.kill()
             coord.wait()
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("mesh-coord: "), err
+
+
+def test_failures_inside_exception_groups_become_one_line_or_a_goodbye(capsys):
+    import trio
+
+    from mesh.cli import _exit_on, _expected_kinds
+    from mesh.link import LinkClosed
+    kinds = _expected_kinds()
+    with pytest.raises(SystemExit) as exc:
+        _exit_on("mesh-coord", kinds, BaseExceptionGroup("x", [ExceptionGroup("y", [LinkClosed("peer 2 went\naway")]),
+                                                               trio.Cancelled._create()]))
+    assert exc.value.code == "mesh-coord: peer 2 went\\naway"
+    with pytest.raises(SystemExit) as exc:
+        _exit_on("mesh-coord", kinds, ExceptionGroup("x", [trio.TooSlowError()]))
+    assert "TooSlowError" in exc.value.code
+    with pytest.raises(SystemExit) as exc:
+        _exit_on("mesh-peer", kinds, BaseExceptionGroup("x", [KeyboardInterrupt(), LinkClosed("gone")]))
+    assert exc.value.code == 130 and "interrupted; bye" in capsys.readouterr().err
+    with pytest.raises(ExceptionGroup):               # a bug stays a traceback
+        _exit_on("mesh-peer", kinds, ExceptionGroup("x", [ZeroDivisionError()]))
