@@ -250,3 +250,45 @@ async def test_a_damaged_cached_range_is_reported_and_shipped_again(tmp_path, da
     else:
         assert "digest check" in reason and not entry.exists()
         assert "do not match the coordinator's digest" in caplog.text
+
+
+async def test_a_websocket_link_is_sealed_too():
+    secret = b"the prompt travels sealed over WebSocket as well"
+    got = []
+
+    async def handler(stream) -> None:
+        async with open_link(stream, token=TOKEN, role="server") as link:
+            got.append(await link.receive())
+            await link.send(proto.Vocab((secret,)))
+            await link.receive()
+
+    class Tap(trio.abc.Stream):
+        def __init__(self, inner) -> None:
+            self.inner, self.seen = inner, bytearray()
+
+        async def send_all(self, data) -> None:
+            self.seen += data
+            await self.inner.send_all(data)
+
+        async def wait_send_all_might_not_block(self) -> None:
+            await self.inner.wait_send_all_might_not_block()
+
+        async def receive_some(self, max_bytes=None):
+            data = await self.inner.receive_some(max_bytes)
+            self.seen += data
+            return data
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(transport.serve_listener, "127.0.0.1", 0, handler)
+        raw = await trio.open_tcp_stream("127.0.0.1", port)
+        tap = Tap(raw)
+        ws = await transport.ws_connect(tap, f"127.0.0.1:{port}")
+        async with open_link(ws, token=TOKEN, role="client") as link:
+            await link.send(proto.Vocab((secret,)))
+            assert await link.receive() == proto.Vocab((secret,))
+        nursery.cancel_scope.cancel()
+    assert got == [proto.Vocab((secret,))]
+    assert b"HTTP/1.1 101" in tap.seen and secret[:16] not in tap.seen
