@@ -271,3 +271,35 @@ async def test_ipv6_addresses_dial_and_report_the_peer():
             await stream.aclose()
         nursery.cancel_scope.cancel()
     assert hosts == ["::1", "::1"]
+
+
+async def test_silent_connections_beyond_the_cap_are_closed_at_once():
+    """Strangers that connect and say nothing hold a task each for the grace period; only so many at a time."""
+    import trio
+
+    from transport import serve_listener
+
+    async def handler(stream) -> None:
+        raise AssertionError("no connection here ever shows a protocol")
+
+    closed = trio.open_memory_channel(8)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_listener("127.0.0.1", 0, handler, max_unclassified=3,
+                                                                        task_status=task_status))
+        clients = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(5)]
+
+        async def watch(client) -> None:
+            try:
+                if await client.receive_some(1) == b"":
+                    await closed[0].send(client)
+            except trio.BrokenResourceError:
+                await closed[0].send(client)
+
+        for c in clients:
+            nursery.start_soon(watch, c)
+        with trio.fail_after(5):                 # well inside the 10 s grace: closed on accept
+            first, second = await closed[1].receive(), await closed[1].receive()
+        assert first is not second
+        nursery.cancel_scope.cancel()
+    for c in clients:
+        await c.aclose()

@@ -26,6 +26,9 @@ Handler = Callable[[trio.abc.Stream], Awaitable[object]]
 # A client that connects must show what it is (first byte, and the whole upgrade if WebSocket) within this long.
 # Not a caller timeout: the listener serves strangers, and a silent one must not hold a task forever.
 HANDSHAKE_GRACE_S = 10.0
+MAX_UNCLASSIFIED = 64
+"""Connections one listener holds before they showed their first bytes (and finished a WebSocket upgrade); more are
+closed at once, so silent strangers cannot pile up tasks and sockets for the grace period."""
 _FIRST_READ = 64 * 1024
 
 
@@ -35,6 +38,7 @@ async def serve_listener(
     handler: Handler,
     *,
     max_message: int = DEFAULT_MAX_MESSAGE,
+    max_unclassified: int = MAX_UNCLASSIFIED,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind `host:port`, report the bound port through `task_status.started`, and serve until cancelled.
@@ -42,7 +46,8 @@ async def serve_listener(
     Every accepted connection is handed to `await handler(stream)`: a raw TCP stream (its first bytes replayed) or
     an accepted `WebSocketStream`. The stream is closed when the handler returns. A bind failure raises
     `ListenError`. With port 0 the port is ephemeral, and only the first address `host` resolves to is served (two
-    sockets would get two different ports).
+    sockets would get two different ports). At most `max_unclassified` connections may be waiting to show their
+    protocol at once; one more is closed on accept.
     """
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -54,19 +59,30 @@ async def serve_listener(
         listeners = listeners[:1]
     bound = listeners[0].socket.getsockname()[1]
 
+    pending = [0]
+
     async def serve_one(raw: trio.SocketStream) -> None:
-        await _serve_connection(raw, handler, max_message)
+        await _serve_connection(raw, handler, max_message, pending, max_unclassified)
 
     task_status.started(bound)
     await trio.serve_listeners(serve_one, listeners)
 
 
-async def _serve_connection(raw: trio.SocketStream, handler: Handler, max_message: int) -> None:
+async def _serve_connection(raw: trio.SocketStream, handler: Handler, max_message: int, pending: list[int],
+                            limit: int) -> None:
     peer = _peer_name(raw)
     stream: trio.abc.Stream | None = None
+    if pending[0] >= limit:
+        log.warning("connection from %s closed: %d connections have not shown their protocol yet", peer, pending[0])
+        await trio.aclose_forcefully(raw)
+        return
     try:
-        with trio.move_on_after(HANDSHAKE_GRACE_S) as scope:
-            stream = await _classify(raw, peer, max_message)
+        pending[0] += 1
+        try:
+            with trio.move_on_after(HANDSHAKE_GRACE_S) as scope:
+                stream = await _classify(raw, peer, max_message)
+        finally:
+            pending[0] -= 1
         if scope.cancelled_caught:
             log.info("connection from %s showed no protocol within %.0f s; closed", peer, HANDSHAKE_GRACE_S)
             return
