@@ -63,7 +63,8 @@ def main() -> None:
     print(f"one decode step at position {a.pos + 1}: {sum(count.values())} kernels, {total * 1e3:.3f} ms of GPU time")
     for k, s in sorted(per.items(), key=lambda kv: -kv[1]):
         bw = f"{nbytes[k] * count[k] / s / 1e9:6.0f} GB/s" if nbytes[k] else ""
-        print(f"  {k:44s} x{count[k]:4d} {s * 1e3:8.3f} ms {100 * s / total:5.1f}%  {s / count[k] * 1e6:8.1f} us each {bw}")
+        print(f"  {k:44s} x{count[k]:4d} {s * 1e3:8.3f} ms {100 * s / total:5.1f}%  "
+              f"{s / count[k] * 1e6:8.1f} us each {bw}")
 
 
 if __name__ == "__main__":

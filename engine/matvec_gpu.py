@@ -3,23 +3,26 @@ GGUF layout of engine/quant.py (bytes (G, blocks, rest, IL) read as uint32 words
 
 Why it looks the way it does (a decode step streams every weight once, so a matvec should run at memory speed; the
 H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
-- A thread block per group of IL = 16 rows. Each thread holds the 16 rows as lanes: a 16-byte load brings the same
-  byte of one block for all of them, and 16 independent accumulators take the products.
+- A thread block per group of IL = 16 rows (fewer when the row count is not a multiple of 16). Each thread holds
+  the 16 rows as lanes: a 16-byte load brings the same byte of one block for all of them, and 16 independent
+  accumulators take the products.
 - TW threads share a block's values, thread jt taking values jt, jt + TW, ... (J = width / TW of each sub-block):
   every load instruction of a warp reads whole 32-byte sectors, and a thread sums J products of a sub-block before
   it scales them once (the old kernel scaled every product, and converted a half for each). The J loads are
   unrolled here in Python, so they are all in flight before the first is used.
-- Quants become floats by the exponent trick, not by int->float conversions (a quarter of the FMA rate on Hopper,
-  and Q8_0 has one per byte): a quant q in 0..2^22 OR'ed into the mantissa of 2^23 reads as the float 2^23 + q,
-  exactly, and one subtraction leaves q (or q - z: Q8_0's signed bytes are flipped to q + 128 by one XOR, Q4_0's
-  -8 and Q5_0's -16 go into the subtracted constant). Same values as a conversion, bit for bit.
+- Quants become floats by the exponent trick, not by int->float conversions (Q8_0's signed bytes cost a sign
+  extension and a conversion each; the old kernel spent 10.6 SASS instructions a value, this one 5.4): a quant q
+  in 0..2^22 OR'ed into the mantissa of 2^23 reads as the float 2^23 + q, exactly, and one subtraction leaves q
+  (or q - z: Q8_0's signed bytes are flipped to q + 128 by one XOR, Q4_0's -8 and Q5_0's -16 go into the
+  subtracted constant). Same values as a conversion, bit for bit.
 - Sub-blocks that share their scale and offset (Q4_0, Q4_1, Q5_0, Q5_1: the two nibble planes) are summed before
   the one scaling.
 - P blocks of a row side by side (blocks p, p + P, ...): TW * P threads a block; their partial sums meet in shared
   memory in two rounds. A fused RMS norm's 1/rms is applied after the sum, each thread summing the squares of the
   x it reads.
-`MESH_GPU_MV="TW,THREADS"` overrides the layout for A/B runs (THREADS: the most threads a block; "naive" selects the
-thread-per-row kernel in engine/quant.py).
+`MESH_GPU_MV="TW,THREADS[,BU]"` overrides the layout for A/B runs (THREADS: the most threads a block, BU: blocks a
+thread reads per loop step; "naive" selects the thread-per-row kernel in engine/quant.py); `MESH_GPU_CVT=cast`
+converts quants by casts instead. On the H200 (bench/RESULTS.md) the Q8_0 kernel streams 3.44 TB/s, Q4_0 2.16.
 """
 from __future__ import annotations
 
