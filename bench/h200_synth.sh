@@ -11,6 +11,16 @@
 #                              time of one decode step of the files in $PROFILE_FILES (bench/decode_profile.py)
 #   bench/h200_synth.sh three  one call on a fresh machine after a kernel change: tests on CUDA, the matvec sweep,
 #                              the engine on every file (no llama.cpp: take its figures from a `two`)
+#   bench/h200_synth.sh four   a fresh machine: ncu counters of the gate_up matvec (Q8_0, Q4_0), the GPU kernel
+#                              tests on CUDA, the sweep fused as the engine fuses, the engine on $ENGINE1
+#                              ("file[@layout] ...", layout "cast" = MESH_GPU_CVT=cast)
+#   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
+#                              tests run, then llama-bench on every file. The engine runs slower beside the build
+#                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
+# Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
+#   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
+#   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
+#   (carry .snap .whl .llama)
 #
 # .whl holds tinygrad 0.14.0 and gguf 0.19.0 (numpy, tokenizers, jinja2, pyyaml, requests, tqdm are on the image);
 # .llama/lc.tgz holds llama.cpp as vendored by llama-cpp-python 0.3.36's sdist, without models/docs/tests/other
@@ -21,7 +31,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one or two}
+phase=${1:?one, two, three, four or final}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
