@@ -42,7 +42,8 @@ def check(qtype: str, rows: int, cols: int, n: int, mode: str) -> None:
 
 @pytest.mark.parametrize("qtype,rows,cols,n,mode", [
     ("Q8_0", 48, 256, 1, "plain"), ("Q8_0", 32, 512, 2, "norm"), ("Q4_0", 48, 512, 1, "residual"),
-    ("Q4_0", 24, 256, 2, "glu"), ("Q4_1", 48, 256, 1, "norm"), ("Q5_0", 32, 256, 1, "plain")])
+    ("Q4_0", 24, 256, 2, "glu"), ("Q4_1", 48, 256, 1, "norm"), ("Q5_0", 32, 256, 1, "plain"),
+    ("Q4_0", 7, 256, 2, "residual"), ("Q8_0", 6, 256, 1, "norm")])  # interleave 1 and 2: byte loads, no words
 def test_gpu_matvec_on_the_python_device(qtype, rows, cols, n, mode):
     check(qtype, rows, cols, n, mode)
 
