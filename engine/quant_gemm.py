@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # quant imports this module
     from .quant import BlockSpec
 
 F32 = dtypes.float32
+MAX_COLUMNS = 256  # columns per kernel: 16 KB of sums on a thread's stack (a step of several long runs is split)
 TILE = 4  # columns per tile: T x IL accumulators in registers (4 x 16 floats: 8 of AVX2's 16, 16 of NEON's 32)
 
 
@@ -114,6 +115,11 @@ def gemm_t(rest: Tensor, halfs: Tensor, spec: BlockSpec, name: str, rows: int, t
         x = x[:, :C].silu() * x[:, C:]
     if norm is not None:  # the matvec's fused form: x * 1/sqrt(mean(x^2) + eps) * weight
         x = x * (x.square().mean(axis=-1, keepdim=True) + norm[1]).sqrt().reciprocal() * norm[0].cast(F32)
+    if x.shape[0] > MAX_COLUMNS:  # the sums of all columns sit on the stack of each core's thread: bound them
+        parts = [gemm_t(rest, halfs, spec, name, rows, threads, x[i:i + MAX_COLUMNS], tile=tile,
+                        residual=None if residual is None else residual[i:i + MAX_COLUMNS])
+                 for i in range(0, x.shape[0], MAX_COLUMNS)]
+        return parts[0].cat(*parts[1:], dim=0)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     fxn = gemm_kernel(name, spec, threads, tile, residual is not None)

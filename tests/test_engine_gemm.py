@@ -35,6 +35,16 @@ def test_gemm_decodes_every_type_as_gguf_does(qtype):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(), err_msg=f"{n} columns")
 
 
+def test_gemm_splits_many_columns(monkeypatch):
+    monkeypatch.setattr(quant_gemm, "MAX_COLUMNS", 4)  # 10 columns: kernels of 4, 4 and 2
+    w, want_w = weight("Q8_0", 32, 64)
+    rng = np.random.default_rng(5)
+    x, r = rng.standard_normal((10, 64)).astype(np.float32), rng.standard_normal((10, 32)).astype(np.float32)
+    want = x.astype(np.float64) @ want_w.T + r
+    np.testing.assert_allclose(w.matmul_t(Tensor(x), residual=Tensor(r)).numpy(), want, rtol=0,
+                               atol=2e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("tile", [1, 3, 8])
 def test_gemm_tiles_agree(tile):
     w, want_w = weight("Q4_1", 32, 256)
