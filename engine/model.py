@@ -15,7 +15,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
-from .loader import Weight, device_empty, rms_norm, zero_rows
+from .loader import Weight, device_zeros, rms_norm, zero_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +70,8 @@ class Block:
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim = n_heads, n_kv_heads, head_dim, rope_dim
         self.eps = norm_eps
         shape = (n_slots, n_kv_heads, max_context, head_dim)
-        self.cache_k, self.cache_v = device_empty(shape, kv_dtype), device_empty(shape, kv_dtype)
-        for c in (self.cache_k, self.cache_v):  # zeroed with raw copies: no kernel to schedule at load
-            zero_rows(c, 0, n_slots)
+        # zeroed without a kernel to schedule; on the CPU their pages stay untouched until a step writes them
+        self.cache_k, self.cache_v = device_zeros(shape, kv_dtype), device_zeros(shape, kv_dtype)
 
     def _lin(self, x: Tensor, name: str, **fused) -> Tensor:
         y = self.w[name + ".weight"].matmul_t(x, **fused)

@@ -128,6 +128,7 @@ class Stage:
         self.kv_bytes = sum(b.cache_k.nbytes() + b.cache_v.nbytes() for b in blocks)
         self._blocks, self._embed, self._head = blocks, embed, head
         self._lengths = [0] * n_slots  # positions each slot holds
+        self._dirty: set[int] = set()  # slots a step has written since they were last cleared
         self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
         self._vpos = [UOp.variable(f"pos{i}", 0, max_context - 1) for i in range(n_slots)]
         self._use_jit = use_jit
@@ -226,16 +227,21 @@ class Stage:
             raise RangeError(f"slot {slot} is outside [0, {self.n_slots})")
 
     def zero_slot(self, slot: int) -> None:
-        """Forget everything slot `slot` holds and clear its cache."""
+        """Forget everything slot `slot` holds and clear its cache (if a step wrote it since it was last clear:
+        untouched cache pages stay unmapped)."""
         self._check_slot(slot)
-        for b in self._blocks:
-            b.zero_slot(int(slot))
+        if slot in self._dirty:
+            for b in self._blocks:
+                b.zero_slot(int(slot))
+            self._dirty.discard(slot)
         self._lengths[slot] = 0
 
     def reset(self) -> None:
         """Forget every slot."""
-        for b in self._blocks:
-            b.reset()
+        for slot in sorted(self._dirty):
+            for b in self._blocks:
+                b.zero_slot(slot)
+        self._dirty.clear()
         self._lengths = [0] * self.n_slots
 
     def rollback(self, slot: int, pos: int) -> None:
@@ -378,6 +384,7 @@ class Stage:
             self._replay_for(shape, fn, inputs)
             self._after_new_shape()
             return None
+        self._dirty.update(int(r[2]) for r in runs)  # the step writes these slots' caches
         replay = self._replays.get(shape)
         if replay is not None:
             result = replay({v.expr: val for v, val in (b.unbind() for b in binds)})
