@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-MAX_TEXT = 200
+MAX_TEXT = 500
 """How much of one string from the network reaches a message."""
 MAX_LINE = 1000
 """How long one log line may be, after escaping."""

@@ -169,7 +169,7 @@ async def test_a_full_gate_closes_further_handshakes_at_once():
 
 def test_network_text_is_escaped_and_cut():
     assert clean("a\nb\x1b[2Jc\u202e") == "a\\nb\\x1b[2Jc\\u202e"
-    assert clean("y" * 500).endswith("…") and len(clean("y" * 500)) == 201
+    assert clean("y" * 900).endswith("…") and len(clean("y" * 900)) == 501
 
 
 # ---------------------------------------------------------------------------------------------------- caches
