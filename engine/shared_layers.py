@@ -95,6 +95,7 @@ def _base(u: UOp):
 
 
 SCRATCH = 1 << 20  # PARAM slots from here on stand for a template's own buffers (planned scratch, its output)
+VIEWS = 1 << 21  # and from here on for views of an input's buffer made while building the graph (GPU word views)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Template:
     scratch: tuple[tuple[str, int, DType], ...]
     out: int
     out_shape: tuple[int, ...]
+    views: tuple[tuple[int, int, DType, int], ...] = ()  # PARAM VIEWS + k: (input slot, size, dtype, byte offset)
 
     def instantiate(self, inputs: list[UOp], scratch: list[UOp] | None = None) -> tuple[list[UOp], list[UOp]]:
         """The calls with inputs[i] for PARAM i and the given scratch buffers (default: freshly allocated ones,
@@ -120,7 +122,12 @@ class Template:
                 b.buffer.ensure_allocated()
         mapping = {}
         for slot, p in self.params.items():
-            if slot >= SCRATCH:
+            if slot >= VIEWS:  # the same view of this layer's buffer (quant._words: its uint8 blocks as words)
+                i, size, dtype, offset = self.views[slot - VIEWS]
+                if inputs[i].op is not Ops.BUFFER:
+                    raise NotShareable(f"a view of input {i}, which is not a buffer")
+                mapping[p] = UOp.from_buffer(inputs[i].buffer.view(size, dtype, offset))
+            elif slot >= SCRATCH:
                 mapping[p] = scratch[slot - SCRATCH]
             else:
                 u = inputs[slot]
@@ -144,22 +151,29 @@ class Template:
         return Tensor(scratch[self.out]).reshape(self.out_shape)
 
 
-def _template(linear: UOp, ret: Tensor, n_in: int) -> Template:
+def _template(linear: UOp, ret: Tensor, n_in: int, own: dict[int, int]) -> Template:
     """A captured call list as a Template: its concrete buffers (the memory plan's arena, the output) become
-    PARAMs SCRATCH + i."""
+    PARAMs SCRATCH + i, views of an input's buffer (`own`: id of the base Buffer -> input slot) PARAMs VIEWS + k."""
     bases: dict[UOp, int] = {}
+    views: dict[UOp, tuple[int, int, DType, int]] = {}
     for c in linear.src:
         for a in get_call_arg_uops(c):
             for u in a.toposort():
-                if u.op is Ops.BUFFER and u not in bases:
+                if u.op is not Ops.BUFFER or u in bases or u in views:
+                    continue
+                b = u.buffer
+                if getattr(b, "_base", None) is not None and id(b._base) in own:
+                    views[u] = (own[id(b._base)], b.size, b.dtype, b.offset)
+                else:
                     bases[u] = len(bases)
     out = _buffer_uops([ret])[0]
     if out not in bases:
         raise NotShareable("the captured part does not write its output")
     mapping = {u: UOp.param(SCRATCH + i, u.dtype, (u.buffer.size,), u.device) for u, i in bases.items()}
+    mapping |= {u: UOp.param(VIEWS + k, u.dtype, (u.buffer.size,), u.device) for k, u in enumerate(views)}
     scratch = tuple((u.device, u.buffer.size, u.dtype) for u in bases)
     return Template(UOp(Ops.LINEAR, src=tuple(_substitute(linear, mapping))), n_in, scratch, bases[out],
-                    tuple(ret.shape))
+                    tuple(ret.shape), tuple(views.values()))
 
 
 def _capture(fn: Callable, args: tuple) -> tuple[UOp, Tensor]:
@@ -177,7 +191,7 @@ def _params(linear: UOp) -> dict[int, UOp]:
     return {u.arg.slot: u for c in linear.src for a in get_call_arg_uops(c) for u in a.toposort() if u.op is Ops.PARAM}
 
 
-def _check(linear: UOp, ret: Tensor, own: set[int], n_fixed: int, chained: bool) -> None:
+def _check(linear: UOp, ret: Tensor, own: dict[int, int], n_fixed: int, chained: bool) -> None:
     """The captured calls read no live tensor but their inputs (PARAMs) and write none of the first n_fixed inputs
     (x, cos, sin: shared by every layer and by the step's caller); a layer (`chained`) reads all of x (PARAM 0)
     before its first write of the output, so x and the output may be one buffer."""
@@ -205,7 +219,11 @@ def _check(linear: UOp, ret: Tensor, own: set[int], n_fixed: int, chained: bool)
                     last_x_read = i
                 continue
             base = _base(a)
-            if id(base) in live or id(base) in own:
+            if id(base) in own:  # a view of one of its inputs' buffers: the template takes the same view of each
+                if k in outs:
+                    raise NotShareable("a layer writes through a view of one of its inputs")
+                continue
+            if id(base) in live:
                 raise NotShareable(f"a layer kernel reads a tensor that is not one of its inputs ({base})")
             if base is out and k in outs and first_out_write is None:
                 first_out_write = i
@@ -229,10 +247,10 @@ def _substitute(linear: UOp, mapping: dict[UOp, UOp]) -> list[UOp]:
 
 def _capture_template(fn: Callable, inputs: list[Tensor], binds: Sequence[UOp], n_fixed: int,
                       chained: bool) -> Template:
-    own = {id(_base(t.uop)) for t in inputs[n_fixed:]}
+    own = {id(_base(t.uop)): i for i, t in enumerate(inputs) if i >= n_fixed}
     linear, ret = _capture(fn, (*inputs, *binds))
     _check(linear, ret, own, n_fixed, chained)
-    return _template(linear, ret, len(inputs))
+    return _template(linear, ret, len(inputs), own)
 
 
 def capture_shared(blocks: Sequence, layer_fn: Callable, head: tuple[object, Callable] | None,

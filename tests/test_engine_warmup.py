@@ -183,3 +183,25 @@ def test_a_template_that_does_not_fit_the_stage_is_not_used(model, tmp_path, mon
     again = Stage.load(model, 0, 4, n_slots=1, max_context=32)
     assert np.array_equal(again.step_logits([Column(0, 0, True, 9)]), want)
     assert counted_layers  # refused (its KV cache inputs have another size) and captured anew
+
+
+def test_a_view_of_a_layer_buffer_made_while_building_the_graph_follows_each_layer():
+    """The GPU matvec reads its uint8 blocks as uint32 words through a view Buffer made while the graph is built
+    (quant._words), which is not the jit's PARAM: the template takes the same view of every layer's buffer."""
+    from tinygrad import UOp, dtypes
+
+    class Layer:
+        def __init__(self, v):
+            self.w = Tensor([v] * 8, dtype=dtypes.int32).contiguous().realize()
+
+    def words(t):  # int32 -> float32 bits, as a view Buffer like quant._words
+        b = t.uop.buffer
+        return Tensor(UOp.from_buffer(b.view(b.size, dtypes.float32, 0)))
+    x, cos, sin = (Tensor.zeros(n).contiguous().realize() for n in (8, 2, 2))
+    layers = [Layer(0x3F800000), Layer(0x40000000)]  # the bits of 1.0 and 2.0
+
+    def layer(blk, x_, c, s_):
+        return ((x_ + words(blk.w)).contiguous().realize() * 1.5).contiguous()
+    jit, templates = capture_shared(layers, layer, None, (x, cos, sin), [])
+    assert any(t.views for t in templates.values())
+    assert jit(x, cos, sin).tolist() == [((0 + 1.0) * 1.5 + 2.0) * 1.5] * 8  # layer 1 added its own 2.0
