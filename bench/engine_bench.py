@@ -252,9 +252,11 @@ def read_and_copy(path: Path, start: int, end: int) -> tuple[int, float]:
 def coldstart_child(path: Path, ctx: int) -> None:
     """A fresh process as a peer runs it: load, warm up, then the first token of a 64-token prompt; prints when
     each is done so the parent times them from the process's start."""
+    from engine.device import apply_device, choose_device, quick_default
     from engine.stage import Column, Stage
     from tinygrad import Device
-    Device[Device.DEFAULT]  # tinygrad picks and opens its device (probing for accelerators without DEV)
+    apply_device(choose_device(None, default=quick_default))  # as a peer's worker picks its device
+    Device[Device.DEFAULT]  # and opens it
     print("DEVICE", flush=True)
     s = Stage.load(path, 0, stage_depth(path), n_slots=1, max_context=ctx)
     print("LOADED", flush=True)

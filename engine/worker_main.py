@@ -24,7 +24,7 @@ from typing import NoReturn
 import numpy as np
 
 from engine.arena import EGRESS, INGRESS, Arena, ArenaError, RecordError, RingFull, RingReader, RingWriter
-from engine.device import DeviceError, apply_device, choose_device, probe_device, tinygrad_default
+from engine.device import DeviceError, apply_device, choose_device, probe_device, quick_default
 from engine.errors import EngineError
 from engine.worker_proto import (MAX_LINE, CommandError, Done, Event, Fatal, Initialize, Load, Loaded, Ready,
                                  Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireError, WorkerInfo, ZeroSlot,
@@ -106,7 +106,7 @@ class WorkerLoop:
         if self.initialized:
             raise _Refuse("the worker is already initialized")
         try:
-            choice = choose_device(cmd.device, default=tinygrad_default)
+            choice = choose_device(cmd.device, default=quick_default)
             apply_device(choice)
             probe = probe_device()
         except DeviceError as exc:

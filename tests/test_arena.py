@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.arena import (EGRESS, INGRESS, RECORD_ALIGN, RECORD_FIELDS, RECORD_HEADER_LEN, Arena, ArenaError,
                           PayloadKind, RecordError, RecordHeader, RecordRef, RingFull, RingReader, RingWriter)
-from engine.device import DeviceError, choose_device, is_clang
+from engine.device import DeviceError, choose_device, is_clang, quick_default
 from engine.worker_proto import (CommandError, Done, Fatal, Initialize, Load, Loaded, Ready, Reset, Rollback, Shutdown,
                                  Step, StepDone, Stopped, WireColumn, WireError, WorkerInfo, ZeroSlot, decode_command,
                                  decode_event, encode_command, encode_event)
@@ -340,3 +340,17 @@ def test_fifo_integrity_under_any_interleaving(ops):
             assert np.array_equal(r.take(ref), data)
     finally:
         a.close()
+
+
+def test_quick_default_skips_tinygrads_probe_only_where_no_accelerator_leaves_a_trace():
+    asked = []
+
+    def ask() -> str:
+        asked.append(1)
+        return "CUDA"
+
+    assert quick_default(platform="linux", exists=lambda p: False, ask=ask) == "CPU" and not asked
+    assert quick_default(platform="linux", exists=lambda p: p == "/dev/nvidiactl", ask=ask) == "CUDA"
+    assert quick_default(platform="linux", exists=lambda p: p == "/dev/dri", ask=ask) == "CUDA"
+    assert quick_default(platform="darwin", exists=lambda p: False, ask=ask) == "CUDA"  # METAL is tinygrad's call
+    assert len(asked) == 3
