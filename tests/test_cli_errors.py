@@ -9,12 +9,26 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 
 import pytest
 
 from tests.mesh_fixtures import ROOT, child_env, free_port, mesh_cmd, write_tiny_chat_model
 
 TOKEN = "cli-tests-fleet-token-0123456789"
+
+
+def sigint_default() -> None:
+    """Ctrl-C as a terminal delivers it. A child of a shell's background job (CI runners, `cmd &`) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler: the child would never see the test's SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def watchdog(p: subprocess.Popen, seconds: float) -> threading.Timer:
+    """Kill p if it still runs after `seconds`, so a test reading its pipes fails instead of hanging."""
+    timer = threading.Timer(seconds, p.kill)
+    timer.start()
+    return timer
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +132,8 @@ def test_ctrl_c_is_a_goodbye_and_exit_130(role, model):
             ["--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--warmup", "0", "--token", TOKEN])
     ready = "waiting for" if role == "coord" else "unreachable"
     p = subprocess.Popen(mesh_cmd(role, *args), cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_default)
+    dog = watchdog(p, 120)
     try:
         seen = []
         for line in p.stderr:                       # wait until it is up and waiting, then press Ctrl-C
@@ -129,6 +144,7 @@ def test_ctrl_c_is_a_goodbye_and_exit_130(role, model):
         rest = p.stderr.read()
         assert p.wait(timeout=60) == 130, "".join(seen) + rest
     finally:
+        dog.cancel()
         if p.poll() is None:
             p.kill()
             p.wait()
@@ -152,7 +168,8 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
     coord = subprocess.Popen(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token",
                                       TOKEN, "--settle", "0.2", "--template", "raw", "--max-tokens", "1900"),
                              cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_default)
+    dog = watchdog(coord, 240)
     try:
         coord.stdin.write("The quick brown fox jumps over the lazy dog.\n")
         coord.stdin.flush()
@@ -170,6 +187,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
         assert coord.wait(timeout=60) == 0, "".join(seen) + rest
         assert "Traceback" not in "".join(seen) + rest
     finally:
+        dog.cancel()
         for p in (peer, coord):
             if p.poll() is None:
                 p.kill()
