@@ -146,7 +146,7 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
             core, n = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(N, 1)
             gi = UOp.range(G // threads, 2)
             g, lane, ends = core * (G // threads) + gi, UOp.range(il, 3, AxisType.UPCAST), (gi, n, core)
-            acc_lane = lane
+            acc_lane = lane + 1  # REG sums indexed from 1: see below
         # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
         # and a reset tied only to it would run once for the whole kernel
         outer = (n, g, lane) if gpu else (n, gi, core)
@@ -166,7 +166,7 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
         b = UOp.range(nb, 4, AxisType.REDUCE)
         byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
         half = lambda i: halfs[g, b, i, lane].cast(F32)
-        regs = (1,) if gpu else (il,)
+        regs = (1,) if gpu else (il + 1,)
         acc = UOp.placeholder(regs, F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(*outer)[acc_lane].set(0.0)
         # sub-blocks are unrolled here, in Python: their shifts and byte offsets become constants (Q4_1 2x, Q4_K
@@ -186,7 +186,10 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
                 xs = xs[0].set(xs.after(j2)[0] + xv(base + j2), end=j2)
                 part = part + xs[0] * spec.offset(byte, half, s)
             term = part if term is None else term + part
-        acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b)
+        acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b if gpu else (b, lane))
+        if not gpu:  # the results leave in a loop of their own
+            lane = UOp.range(il, 99)  # an id above every sub-block's (5 + 2 * sub + 1)
+            acc_lane = lane + 1
         row = g * il + lane
         store = out[n, row].store(acc[acc_lane] + res[n, row] if res is not None else acc[acc_lane])
         store = store.end(lane, n, g) if gpu else store.end(lane).end(*ends)

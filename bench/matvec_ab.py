@@ -1,0 +1,73 @@
+"""The CPU matvec kernel (engine/quant.py `_matvec_kernel`) of a git revision against the working tree's, in one process.
+
+    MESH_CPU_THREADS=1 .venv/bin/python bench/matvec_ab.py --base HEAD~1 [--mats gate_up,head] [--reps 15]
+
+SmolLM2-135M's decode shapes (Q4_1 layers, the Q8_0 head), random blocks with small f16 scales, fused as the
+engine fuses them (the RMS norm into qkv, gate_up and head). Each kernel runs in a TinyJit; old and new alternate,
+so a noisy box slows both alike. Prints median microseconds, their ratio, and whether the outputs are bitwise equal.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHAPES = {"gate_up": (3072, 576, "Q4_1"), "down": (576, 1536, "Q4_1"), "qkv": (960, 576, "Q4_1"),
+          "head": (49152, 576, "Q8_0")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="HEAD", help="git revision whose engine/quant.py is the old kernel")
+    ap.add_argument("--mats", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=15)
+    a = ap.parse_args()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from tinygrad import Device, Tensor, TinyJit
+    from engine import quant
+    src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant.py"], text=True)
+    old = types.ModuleType("quant_base")
+    sys.modules["quant_base"] = old  # dataclasses look their module up
+    exec(compile(src.replace("from .cpu_runner", "from engine.cpu_runner"), "quant_base.py", "exec"), old.__dict__)
+    kernels = {"old": old._matvec_kernel, "new": quant._matvec_kernel}
+    rng = np.random.default_rng(0)
+    for name in a.mats.split(","):
+        rows, cols, tname = SHAPES[name]
+        t = Q[tname]
+        bs, bb = GGML_QUANT_SIZES[t]
+        raw = rng.integers(0, 256, (rows, cols // bs * bb), dtype=np.uint8)
+        for off in quant.HALF_FIELDS[t]:  # finite, small scales
+            scales = rng.uniform(-0.01, 0.01, (rows, cols // bs)).astype(np.float16)
+            raw.reshape(rows, -1, bb)[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
+        rest, halfs = quant.repack(raw, t, 16)
+        w = quant.QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), t)
+        x = Tensor(rng.standard_normal((1, cols)).astype(np.float32)).realize()
+        nw = Tensor(rng.standard_normal(cols).astype(np.float32)).realize()
+        kw = {} if name == "down" else {"norm": (nw, 1e-5)}
+        fns, outs, ts = {}, {}, {"old": [], "new": []}
+        for tag, k in kernels.items():
+            quant._matvec_kernel = k  # matmul_t looks it up when its graph is built
+            fns[tag] = TinyJit(lambda x: w.matmul_t(x, **kw).realize())
+            for _ in range(3):
+                outs[tag] = fns[tag](x).numpy()
+        for r in range(a.reps):
+            for tag in ("old", "new") if r % 2 else ("new", "old"):
+                t0 = time.perf_counter()
+                fns[tag](x)
+                Device["CPU"].synchronize()
+                ts[tag].append(time.perf_counter() - t0)
+        mo, mn = (statistics.median(ts[k]) * 1e6 for k in ("old", "new"))
+        print(f"{name} {rows}x{cols} {tname}: old {mo:.0f} us, new {mn:.0f} us, {mo / mn:.2f}x, "
+              f"bitwise equal {np.array_equal(outs['old'], outs['new'])}")
+
+
+if __name__ == "__main__":
+    main()
