@@ -17,7 +17,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import trio
 
+from engine.stage import Sampling
+from engine.tokenizer import Tokenizer
+from engine.worker import open_worker
+from mesh.pipeline import LocalPipeline, generate
 from tests.test_tokenizer import byte_chars
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -116,3 +121,16 @@ def run_coord(start, port: int, model: Path, *args: str, timeout: float = 240.0)
     out, err = p.communicate(timeout=timeout)
     answer = json.loads(out.decode().strip().splitlines()[-1]) if p.returncode == 0 and out.strip() else None
     return p.returncode, answer, err.decode(errors="replace")
+
+
+def unsharded_tokens(model: Path, n_layers: int, prompt: str, max_tokens: int) -> list[int]:
+    """Greedy tokens of the unsharded engine: one worker holding every layer, driven by the same generate() as the
+    coordinator, so a mesh's output can be compared with it bitwise."""
+    async def main() -> list[int]:
+        tok = Tokenizer.from_gguf(model)
+        async with open_worker() as w:
+            await w.load(model, 0, n_layers, warmup=0)
+            result = await generate(LocalPipeline(w), tok.encode(prompt), max_tokens=max_tokens, sampling=Sampling(),
+                                    eos_ids=tok.eos_ids)
+        return result.tokens
+    return trio.run(main)

@@ -10,14 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import trio
 
-from engine.stage import Sampling
-from engine.tokenizer import Tokenizer
-from engine.worker import open_worker
-from mesh.pipeline import LocalPipeline, generate
 from tests.gemma_model import gemma3_path
-from tests.mesh_fixtures import free_port, processes, run_coord
+from tests.mesh_fixtures import free_port, processes, run_coord, unsharded_tokens
 from tests.test_mesh_e2e import peer
 
 pytestmark = pytest.mark.slow
@@ -33,15 +28,7 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model) -> list[int]:
-    """Greedy tokens of one worker holding all 18 layers, driven by the same generate() as the coordinator."""
-    async def main():
-        tok = Tokenizer.from_gguf(model)
-        async with open_worker() as w:
-            await w.load(model, 0, 18, warmup=0)
-            result = await generate(LocalPipeline(w), tok.encode(PROMPT), max_tokens=MAX_TOKENS, sampling=Sampling(),
-                                    eos_ids=tok.eos_ids)
-        return result.tokens
-    return trio.run(main)
+    return unsharded_tokens(model, 18, PROMPT, MAX_TOKENS)
 
 
 def coord_args(peers: int, token: str) -> list[str]:

@@ -11,13 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-import trio
 
-from engine.stage import Sampling
-from engine.tokenizer import Tokenizer
-from engine.worker import open_worker
-from mesh.pipeline import LocalPipeline, generate
-from tests.mesh_fixtures import free_port, mesh_cmd, processes, run_coord, write_tiny_chat_model
+from tests.mesh_fixtures import free_port, mesh_cmd, processes, run_coord, unsharded_tokens, write_tiny_chat_model
 
 pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -31,15 +26,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model) -> list[int]:
-    """Greedy tokens of the unsharded engine: one worker holding every layer, driven by the same generate()."""
-    async def main():
-        tok = Tokenizer.from_gguf(model)
-        async with open_worker() as w:
-            await w.load(model, 0, 6, warmup=0)
-            result = await generate(LocalPipeline(w), tok.encode(PROMPT), max_tokens=MAX_TOKENS, sampling=Sampling(),
-                                    eos_ids=tok.eos_ids)
-        return result.tokens
-    return trio.run(main)
+    return unsharded_tokens(model, 6, PROMPT, MAX_TOKENS)
 
 
 def peer(start, port: int, *args: str, token: str | None = None, model: Path | None = None, capture: bool = False,
