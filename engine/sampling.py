@@ -5,26 +5,13 @@ samples the same tokens however the model is split and whatever else shares the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .errors import EngineError
+from common.values import Sampling  # defined once for every package (NOTES "Layout and dependency direction")
+
+__all__ = ["Sampling", "pick_token", "uniform_draw"]
 
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """temperature 0 means greedy; top_k 0 means no cut; top_p 1.0 means no nucleus cut."""
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and self.top_k >= 0 and 0.0 < self.top_p <= 1.0):
-            raise EngineError(f"bad sampling parameters: {self}")
 
 
 def uniform_draw(seed: int, pos: int) -> float:

@@ -5,7 +5,6 @@ import ctypes
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
@@ -23,19 +22,11 @@ from .program_cache import cache_path, code_identity, load_programs, read_blob, 
 from .program_cache import enabled as program_cache_enabled
 from .replay import CpuReplay, NotReplayable
 from .shared_layers import NotShareable, capture_shared
+from common.values import Column, samplings_for
+
 from .sampling import Sampling, pick_token
 
 __all__ = ["Column", "Sampling", "Stage", "WarmupResult", "prefill_chunks"]
-
-
-@dataclass(frozen=True, slots=True)
-class Column:
-    """One token's place in a step: its position in the sequence, the KV slot of that sequence, and, on the
-    first stage, the token id. The last stage picks a next token for every column with needs_logits."""
-    pos: int
-    slot: int
-    needs_logits: bool = False
-    token: int = 0
 
 
 def _release_freed_memory() -> None:
@@ -295,12 +286,15 @@ class Stage:
         int32 token ids, one per column with needs_logits (sampling may be one Sampling or one per such column).
         """
         picks = [i for i, c in enumerate(cols) if c.needs_logits]
-        if self.last and not isinstance(sampling, Sampling) and len(sampling) != len(picks):
-            raise EngineError(f"{len(sampling)} Sampling entries for {len(picks)} columns that need logits")
+        try:
+            samplings = samplings_for(sampling, cols)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         out = self._forward(cols, hidden)
         if not self.last:
             return out
-        samplings = [sampling] * len(picks) if isinstance(sampling, Sampling) else list(sampling)
+        if len(samplings) != len(picks):
+            samplings = samplings * len(picks)  # one for all
         return np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], dtype=np.int32)
 
     def step_logits(self, cols: Sequence[Column], hidden: np.ndarray | None = None) -> np.ndarray:

@@ -159,7 +159,7 @@ class WorkerLoop:
 
     def _step(self, cmd: Step, hidden: np.ndarray | None) -> Event:
         stage = self._need_stage("Step")
-        from engine.stage import Column, Sampling
+        from common.values import Column, Sampling
         if cmd.step_id <= self.last_step_id:
             raise _Refuse(f"step id {cmd.step_id} does not follow the previous step id {self.last_step_id}")
         if not cmd.columns:
@@ -180,7 +180,7 @@ class WorkerLoop:
         try:
             cols = [Column(c.pos, c.slot, c.needs_logits, c.token) for c in cmd.columns]
             samplings = [Sampling(**s) for s in cmd.sampling]
-        except (TypeError, EngineError) as exc:
+        except (TypeError, ValueError, EngineError) as exc:
             raise _Refuse(f"bad columns or sampling: {exc}") from None
         if not cmd.per_column and len(samplings) != 1:
             raise _Refuse(f"{len(samplings)} sampling entries where one applies to all columns")

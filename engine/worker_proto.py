@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Union
 
+from common.values import Column
 from engine.arena import RecordRef
 from engine.errors import EngineError
 
@@ -34,12 +35,7 @@ class WireError(EngineError):
         self.cid = cid
 
 
-@dataclass(frozen=True, slots=True)
-class WireColumn:
-    pos: int
-    slot: int
-    needs_logits: bool
-    token: int
+WireColumn = Column  # the old name: a Step's columns are the shared type (common.values)
 
 
 # ---- commands (client -> worker) ----

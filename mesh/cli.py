@@ -236,10 +236,13 @@ def coord_main(argv: list[str] | None = None) -> None:
 
 
 async def _run_coord(cfg, args) -> None:
-    from engine.stage import Sampling
+    from common.values import Sampling
     from mesh.coordinator import Coordinator
 
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        sys.exit(f"mesh-coord: {exc}")
     coord = Coordinator(cfg)
     async with trio.open_nursery() as nursery:
         port = await coord.serve_registry(nursery)

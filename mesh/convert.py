@@ -1,13 +1,13 @@
-"""The one place where wire events and engine values meet: columns, sampling, activations."""
+"""Where wire events and engine values meet. Columns and sampling need no conversion any more: the wire decodes
+straight into `common.values.Column` / `Sampling`, the types the engine takes. Only activations change form here
+(`proto.Activation`, raw bytes with dtype and shape, <-> a numpy array viewing the same bytes)."""
 from __future__ import annotations
 
 import numpy as np
 
-from engine.stage import Column, Sampling
 from mesh import proto
 
 
-# Activations: the protocol's own numpy conversion (f32/f16, raw bytes, shape) is the one definition.
 def to_activation(array: np.ndarray) -> proto.Activation:
     return proto.Activation.from_array(np.ascontiguousarray(array))
 
@@ -16,19 +16,18 @@ def from_activation(act: proto.Activation | None) -> np.ndarray | None:
     return None if act is None else act.to_array()
 
 
-def to_engine_columns(columns) -> list[Column]:
-    return [Column(c.pos, c.slot, bool(c.needs_logits), c.token) for c in columns]
+# The old conversions, kept importable for callers that still use them: each is the identity on the shared types.
+def to_engine_columns(columns) -> list:
+    return list(columns)
 
 
-def to_wire_columns(columns: list[Column]) -> tuple:
-    return tuple(proto.Column(c.pos, c.slot, c.needs_logits, c.token) for c in columns)
+def to_wire_columns(columns) -> tuple:
+    return tuple(columns)
 
 
-def to_engine_sampling(s) -> Sampling:
-    if s is None:
-        return Sampling()
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+def to_engine_sampling(s):
+    return proto.Sampling() if s is None else s
 
 
-def to_wire_sampling(s: Sampling) -> proto.SamplingParams:
-    return proto.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+def to_wire_sampling(s):
+    return s

@@ -16,9 +16,9 @@ from typing import Callable
 import trio
 
 import transport
+from common.values import Sampling
 from engine.chat import render_prompt
 from engine.gguf_meta import read_model_meta
-from engine.stage import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
 from mesh import proto
 from mesh.errors import FleetError, HopError, SessionError

@@ -22,7 +22,7 @@ import transport
 from engine.gguf_meta import read_model_meta
 from engine.worker import open_worker
 from mesh import proto
-from mesh.convert import from_activation, to_activation, to_engine_columns, to_engine_sampling
+from mesh.convert import from_activation, to_activation
 from mesh.errors import HopError, MeshError, single_errors
 from mesh.identity import model_identity, verify_file
 from mesh.link import AuthFailed, LinkClosed, LinkError, PreAuthGate, RemoteError, open_link
@@ -356,8 +356,8 @@ class Peer:
         except trio.WouldBlock:
             await self.compute.acquire()
         try:
-            out = await self.worker.step(to_engine_columns(ev.columns), from_activation(ev.hidden),
-                                         to_engine_sampling(ev.sampling))
+            # the wire decoded the columns and sampling into the engine's own types (common.values)
+            out = await self.worker.step(ev.columns, from_activation(ev.hidden), ev.sampling)
             last = self.loaded[1] == self.loaded_total
             if last:
                 tokens = tuple(int(t) for t in out)

@@ -13,9 +13,9 @@ from typing import Awaitable, Callable, Protocol
 
 import trio
 
-from engine.stage import Column, Sampling
+from common.values import Column, Sampling, SamplingArg, samplings_for
 from mesh import proto
-from mesh.convert import to_activation, to_wire_columns, to_wire_sampling
+from mesh.convert import to_activation
 from mesh.errors import SessionError
 from mesh.link import LinkError
 
@@ -58,7 +58,7 @@ class Pipeline:
         self._group = (self._group + 1) & 0xFFFFFFFF
         return self._group
 
-    async def _local(self, cols: list[Column], sampling: Sampling):
+    async def _local(self, cols: list[Column], sampling: SamplingArg):
         if self.local is None:
             return None
         return to_activation(await self.local.step(cols, None, sampling))
@@ -72,13 +72,16 @@ class Pipeline:
                 await self.local.rollback(ev.slot, ev.pos)
         await self._send_inband(ev)
 
-    async def submit(self, cols: list[Column], sampling: Sampling) -> int:
+    async def submit(self, cols: list[Column], sampling: SamplingArg) -> int:
+        """Start one step: `sampling` is one Sampling for every column that needs logits, or one per such column
+        (each sequence of a batch with its own parameters and seed). Returns the group that `collect` takes."""
         raise NotImplementedError
 
     async def collect(self, group: int) -> tuple[int, ...]:
+        """The step's tokens, one per column with needs_logits, in column order."""
         raise NotImplementedError
 
-    async def step(self, cols: list[Column], sampling: Sampling) -> tuple[int, ...]:
+    async def step(self, cols: list[Column], sampling: SamplingArg) -> tuple[int, ...]:
         return await self.collect(await self.submit(cols, sampling))
 
 
@@ -87,9 +90,10 @@ class _Deferred(Pipeline):
 
     def __init__(self, local: LocalStage | None, names: list[str]):
         super().__init__(local, names)
-        self._pending: dict[int, tuple[list[Column], Sampling]] = {}
+        self._pending: dict[int, tuple[list[Column], tuple[Sampling, ...]]] = {}
 
     async def submit(self, cols, sampling) -> int:
+        sampling = samplings_for(sampling, cols)   # a bad count is the caller's error, raised here
         group = self.next_group()
         self._pending[group] = (cols, sampling)
         return group
@@ -109,9 +113,9 @@ class HubPipeline(_Deferred):
     async def collect(self, group: int) -> tuple[int, ...]:
         cols, sampling = self._pending.pop(group)
         hidden = await self._local(cols, sampling)
-        wire_cols, wire_sampling = to_wire_columns(cols), to_wire_sampling(sampling)
+        cols = tuple(cols)
         for k, (link, name) in enumerate(zip(self.links, self.names)):
-            await _send(link, proto.BatchStep(group, len(cols) > 16, wire_cols, hidden, wire_sampling), name)
+            await _send(link, proto.BatchStep(group, len(cols) > 16, cols, hidden, sampling), name)
             last = k == len(self.links) - 1
             ev = await _receive(link, proto.Tokens if last else proto.Hidden, name)
             if ev.group != group:
@@ -135,10 +139,10 @@ class ChainPipeline(Pipeline):
         await _send(self.first, ev, self.names[0])    # each stage applies it and forwards it ahead of the next step
 
     async def submit(self, cols, sampling) -> int:
+        sampling = samplings_for(sampling, cols)
         group = self.next_group()
         hidden = await self._local(cols, sampling)
-        await _send(self.first, proto.BatchStep(group, len(cols) > 16, to_wire_columns(cols), hidden,
-                                                to_wire_sampling(sampling)), self.names[0])
+        await _send(self.first, proto.BatchStep(group, len(cols) > 16, tuple(cols), hidden, sampling), self.names[0])
         return group
 
     async def collect(self, group: int) -> tuple[int, ...]:

@@ -218,8 +218,8 @@ def test_step_validation(models):
         b.step([Column(0, 0, True, 1)], np.zeros((2, 64), np.float32))
     with pytest.raises(EngineError, match="not hidden"):
         a.step([Column(0, 0, False, 1)], np.zeros((1, 64), np.float32))
-    with pytest.raises(EngineError):
-        Sampling(top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):  # one rule for the wire and the engine (common.values)
+        Sampling(top_p=1.5)
 
 
 def test_weight_and_cache_modes_agree(models):

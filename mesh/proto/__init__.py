@@ -9,7 +9,7 @@ from .errors import AuthError, ErrorCode, ProtocolError, ProtoError
 from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, AuthProof, BatchInit, BatchStep,
                      BlockTable, Chain, Column, Done, Draft, DraftBatch, DraftSeed, Error, Event, Hello, Hidden,
                      Info, InfoRequest, Join, Load, LoadCode, MsgType, Ping, Pong, Reset, Rollback, RtcChain,
-                     RtcServe, SamplingParams, ShipBegin, ShipChunk, ShipEnd, ShipResume, Shutdown, Signal,
+                     RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd, ShipResume, Shutdown, Signal,
                      SignalKind, Step, Tokens, Vocab, Welcome, WindowUpdate, ZeroSlot)
 from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
@@ -20,7 +20,7 @@ __all__ = [
     "BatchInit", "BatchStep", "BlockTable", "Chain", "ClientHandshake", "Codec", "Column", "Done", "Draft",
     "DraftBatch", "DraftSeed", "Error", "ErrorCode", "Event", "FlowWindow", "Hello", "Hidden", "Info",
     "InfoRequest", "Join", "Liveness", "Load", "LoadCode", "MsgType", "Ping", "Pong", "ProtoError",
-    "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "SamplingParams", "ServerHandshake",
+    "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "Sampling", "SamplingParams", "ServerHandshake",
     "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Step", "Tokens",
     "Vocab", "Welcome", "WindowUpdate", "ZeroSlot", "flow_controlled", "frame_cost",
 ]

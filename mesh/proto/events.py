@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar
 
+from common.values import Column, Sampling, samplings_for
+
 from . import wire
 from .errors import ErrorCode, ProtocolError
 from .wire import BOOL, BYTES, F64, I32, STR, U16, U32, U32S, U64, U8, VIEW, Reader
@@ -144,30 +146,9 @@ class Activation:
         return np.frombuffer(self.data, dtype=np_dtype).reshape(self.shape)
 
 
-@dataclass(frozen=True, slots=True)
-class Column:
-    """One sequence position in a batched step."""
-
-    pos: int
-    slot: int
-    needs_logits: bool = False
-    token: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """temperature 0 = greedy. Floats travel as f64 so both ends sample with bit-identical parameters."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in [0, 1], got {self.top_p}")
+# Column and Sampling are defined once for every package (common.values); the decoder builds them directly, so a
+# step's values reach the Stage without another conversion. `SamplingParams` is the old name, kept for callers.
+SamplingParams = Sampling
 
 
 _COUNT = struct.Struct("<I")
@@ -201,11 +182,29 @@ class _SamplingField(wire.Field):
     label = "sampling"
     st = struct.Struct("<dIdQ")
 
-    def put(self, out: list, v: SamplingParams) -> None:
+    def put(self, out: list, v: Sampling) -> None:
         out.append(self.st.pack(v.temperature, v.top_k, v.top_p, v.seed))
 
-    def get(self, r: Reader, field: str) -> SamplingParams:
-        return SamplingParams(*r.unpack(self.st, field))
+    def get(self, r: Reader, field: str) -> Sampling:
+        return Sampling(*r.unpack(self.st, field))
+
+
+class _SamplingsField(wire.Field):
+    """A u32 count, then that many `samp` records: one for every column that needs logits, or one per such column
+    (each sequence of a batched step samples with its own parameters and seed)."""
+
+    __slots__ = ()
+    label = "samplings"
+    st = _SamplingField.st
+
+    def put(self, out: list, v: tuple[Sampling, ...]) -> None:
+        out.append(_COUNT.pack(len(v)))
+        out.extend(self.st.pack(s.temperature, s.top_k, s.top_p, s.seed) for s in v)
+
+    def get(self, r: Reader, field: str) -> tuple[Sampling, ...]:
+        (n,) = r.unpack(_COUNT, field, "count")
+        raw = r.take(n * self.st.size, field, "records")
+        return tuple(Sampling(*rec) for rec in self.st.iter_unpack(raw))
 
 
 class _ColumnsField(wire.Field):
@@ -252,6 +251,7 @@ class _VocabField(wire.Field):
 ACTIVATION = _ActivationField()
 OPT_ACTIVATION = wire.Optional(ACTIVATION)
 SAMPLING = _SamplingField()
+SAMPLINGS = _SamplingsField()
 COLUMNS = _ColumnsField()
 VOCAB = _VocabField()
 TRIPLES = wire.Array("III", "(slot, token, pos)")
@@ -310,7 +310,7 @@ def decode_payload(msg_type: MsgType, payload: memoryview) -> Event:
         values = [codec.get(r, name) for name, codec in layout]
         r.finish()
         return cls(*values)
-    except (ValueError, TypeError) as exc:  # a value type's own validation (e.g. SamplingParams.top_p)
+    except (ValueError, TypeError) as exc:  # a value type's own validation (e.g. Sampling.top_p)
         raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: {exc}") from None
 
 
@@ -509,25 +509,27 @@ class Step(Event):
     pos: int
     tokens: tuple[int, ...] = ()
     hidden: Activation | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
         _tuple(self, "tokens")
 
 
-@_message(MsgType.BATCH_STEP, U32, BOOL, COLUMNS, OPT_ACTIVATION, SAMPLING)
+@_message(MsgType.BATCH_STEP, U32, BOOL, COLUMNS, OPT_ACTIVATION, SAMPLINGS)
 @dataclass(frozen=True, slots=True)
 class BatchStep(Event):
-    """A batched step over columns; `wide` selects the prefill plan."""
+    """A batched step over columns; `wide` selects the prefill plan. `sampling`: one Sampling for every column that
+    needs logits, or one per such column in column order (a single Sampling given here becomes a 1-tuple)."""
 
     group: int
     wide: bool
     columns: tuple[Column, ...]
     hidden: Activation | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: tuple[Sampling, ...] = (Sampling(),)
 
     def __post_init__(self) -> None:
         _tuple(self, "columns")
+        object.__setattr__(self, "sampling", samplings_for(self.sampling, self.columns))
 
 
 @_message(MsgType.BATCH_INIT, U32)
