@@ -92,6 +92,7 @@ class Fleet:
         self.identity = cfg.identity or model_identity(cfg.model, _memo_dir("identities"))
         self.tokenizer = tokenizer
         self.members: list[Member] = []
+        self.ranges: list[tuple[int, int]] = []     # each member's layers, chain order (after negotiate)
         self.local = None
         self._plans: dict[tuple[int, int], object] = {}
 
@@ -130,6 +131,7 @@ class Fleet:
         infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
         order = sorted(range(len(members)), key=lambda i: infos[i].start)
         self.members = [members[i] for i in order]
+        self.ranges = [(infos[i].start, infos[i].end) for i in order]
         try:
             return validate_chain(self.first_layer, [_info_report(members[i], infos[i]) for i in order],
                                   self.identity)
@@ -311,12 +313,18 @@ class Coordinator:
         host, _, port = self.cfg.listen.rpartition(":")
         return await nursery.start(self.registry.serve, host or "0.0.0.0", int(port))
 
-    async def form(self, nursery, stack: AsyncExitStack) -> tuple[Fleet, Pipeline]:
-        with trio.move_on_after(self.cfg.wait) as waiting:
-            members = await self.registry.wait_for(self.cfg.min_peers, self.cfg.settle)
+    async def form(self, nursery, stack: AsyncExitStack, *, min_peers: int | None = None,
+                   wait: float | None = None) -> tuple[Fleet, Pipeline]:
+        """Wait for peers, negotiate, wire the chain. Tasks (the sink listener) go to `nursery`, clean-ups (member
+        release, watchers, the local worker) to `stack`: mesh.session.open_session owns both for one session.
+        `min_peers` / `wait` override the config's for this session (a re-form takes whoever survived)."""
+        need = self.cfg.min_peers if min_peers is None else min_peers
+        wait = self.cfg.wait if wait is None else wait
+        with trio.move_on_after(wait) as waiting:
+            members = await self.registry.wait_for(need, self.cfg.settle)
         if waiting.cancelled_caught:
-            raise FleetError(f"only {len(self.registry.members)} of {self.cfg.min_peers} peers joined "
-                             f"{self.cfg.listen} within {self.cfg.wait:.0f}s")
+            raise FleetError(f"only {len(self.registry.members)} of {need} peers joined "
+                             f"{self.cfg.listen} within {wait:.0f}s")
         for m in members:
             stack.callback(m.release)       # the session's end sends every peer back to re-join
         fleet = Fleet(self.cfg, self.registry, self.tokenizer)

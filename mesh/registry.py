@@ -119,6 +119,10 @@ class Registry:
         self._changed.set()
         self._changed = trio.Event()
 
+    async def wait_changed(self) -> None:
+        """Wait for the next join or leave (a serving coordinator re-forms to take in new peers)."""
+        await self._changed.wait()
+
     async def wait_rejoined(self, session: list[Member], n: int) -> None:
         """After a session lost a stage: wait until that session's members have left the pool (they re-join as new
         members once released) and `n` peers are pooled again. The caller bounds the wait."""
