@@ -5,12 +5,13 @@ import argparse
 import logging
 import os
 import sys
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import trio
 
 TOKEN_ENV = "MESH_TOKEN"
+API_KEY_ENV = "MESH_API_KEY"
+DEFAULT_HTTP = "127.0.0.1:8080"
 SHORT_TOKEN = 16             # a shorter fleet token gets a warning: it guards every link's keys
 RETRY_FOREVER = None
 
@@ -75,6 +76,28 @@ def _addr(flag: str, *, listen: bool = False):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: port 0 cannot be dialed")
         return text
     return parse
+
+
+def _positive(flag: str, *, zero: bool = False):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < (0 if zero else 1):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a whole number >= {0 if zero else 1}")
+        return value
+    return parse
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _seconds(text: str) -> float:
@@ -191,7 +214,18 @@ def coord_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=300.0, help="give up if --min-peers have not joined by then")
     p.add_argument("--chain", choices=("p2p", "hub"), default="p2p")
     p.add_argument("--layers", type=_layers, help="own the first layers locally, as 0:K (default: headless)")
-    p.add_argument("--prompt", help="answer this once, print the completion to stdout, exit")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--prompt", help="answer this once, print the completion to stdout, exit")
+    mode.add_argument("--chat", action="store_true", help="chat on this terminal (stdin) instead of serving HTTP")
+    p.add_argument("--http", default=DEFAULT_HTTP, type=_addr("--http", listen=True),
+                   help=f"serve the OpenAI-compatible API and the web page here (default {DEFAULT_HTTP}; used "
+                        f"without --prompt/--chat). Any address but loopback needs --api-key")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' on every HTTP request (default: ${API_KEY_ENV})")
+    p.add_argument("--max-seqs", type=_positive("--max-seqs"), default=4,
+                   help="sequences answered at once (KV slots); more requests wait in the queue (default 4)")
+    p.add_argument("--max-queue", type=_positive("--max-queue", zero=True), default=64,
+                   help="requests that may wait for a slot; past that the answer is 429 with Retry-After (default 64)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--template", choices=("auto", "raw"), default="auto",
                    help="auto: the GGUF's chat template; raw: send the prompt text as is")
@@ -212,7 +246,15 @@ def coord_parser() -> argparse.ArgumentParser:
 
 
 def coord_main(argv: list[str] | None = None) -> None:
-    args = coord_parser().parse_args(argv)
+    parser = coord_parser()
+    args = parser.parse_args(argv)
+    if args.prompt is None and not args.chat:
+        from transport import parse_addr
+        host = parse_addr(args.http).host
+        if not args.api_key and not _loopback(host):
+            parser.error(f"--http {args.http}: serving beyond this machine needs an API key, or anyone who can reach "
+                         f"the port can use the model: pass --api-key KEY or set ${API_KEY_ENV} (clients then send "
+                         f"'Authorization: Bearer KEY'), or serve on 127.0.0.1")
     _logging(args.verbose)
     from engine.sources import default_model_path, resolve_source
     from mesh.coordinator import CoordConfig
@@ -238,6 +280,7 @@ def coord_main(argv: list[str] | None = None) -> None:
 async def _run_coord(cfg, args) -> None:
     from common.values import Sampling
     from mesh.coordinator import Coordinator
+    from mesh.session import open_session
 
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -249,12 +292,30 @@ async def _run_coord(cfg, args) -> None:
         logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
                                              cfg.listen, port, cfg.min_peers)
         if args.prompt is not None:
-            async with AsyncExitStack() as stack:
-                _, pipe = await coord.form(nursery, stack)
-                await _answer_once(coord, pipe, args, sampling)
+            async with open_session(coord) as session:
+                await _answer_once(coord, session.pipe, args, sampling)
+        elif args.chat:
+            await _chat(coord, args, sampling)
         else:
-            await _chat(coord, nursery, args, sampling)
+            await _serve(coord, nursery, args)
         nursery.cancel_scope.cancel()
+
+
+async def _serve(coord, nursery, args) -> None:
+    """The service: HTTP on --http, sessions formed and re-formed as peers come and go, until Ctrl-C."""
+    from mesh.serve.app import build_app
+    from mesh.serve.service import Service, serve_http
+    from transport import parse_addr
+
+    service = Service(coord, max_seqs=args.max_seqs, max_queue=args.max_queue, api_key=args.api_key,
+                      template=args.template)
+    addr = parse_addr(args.http)
+    port = await nursery.start(serve_http, build_app(service), addr.host, addr.port)
+    host = f"[{addr.host}]" if ":" in addr.host else addr.host
+    logging.getLogger("mesh.coord").info(
+        "serving the OpenAI-compatible API on http://%s:%d/v1 (model %r%s)", host, port, service.model_id,
+        ", API key required" if service.api_key else "")
+    await service.run()
 
 
 async def _answer_once(coord, pipe, args, sampling) -> None:
@@ -301,15 +362,14 @@ CHAT_RETRIES = 3     # a turn is tried this many times more on a re-formed mesh 
 REJOIN_SECONDS = 15  # how long a re-form waits for the survivors of a lost session to re-join
 
 
-async def _chat(coord, nursery, args, sampling) -> None:
+async def _chat(coord, args, sampling) -> None:
     """Interactive chat: each turn re-renders the conversation and prefills only what the cache does not hold.
 
     A stage lost mid-turn does not end the chat: the session closes (the surviving peers re-join), the mesh
     re-forms from whoever is in the pool, re-planning the layers, and the turn is answered again from the start of
     the conversation. The user sees a pause, then the rest of the answer."""
-    from dataclasses import replace
-
     from mesh.errors import SessionError
+    from mesh.session import open_session
 
     history: list[dict] = []
     line: str | None = None       # the turn being answered; kept across a re-form
@@ -317,15 +377,16 @@ async def _chat(coord, nursery, args, sampling) -> None:
     retries = 0
     lost: list = []               # the members of a session that lost a stage (or whose answer was stopped)
     rejoin = 0                    # how many of them must be back before the next fleet forms
+    min_peers = None              # the first fleet waits for --min-peers; a re-form takes whoever is pooled
     print("mesh chat: type a message, an empty line or Ctrl-D ends; Ctrl-C stops an answer.", file=sys.stderr,
           flush=True)
     while True:
         if lost:
             with trio.move_on_after(REJOIN_SECONDS):       # then whoever is pooled forms the next fleet
                 await coord.registry.wait_rejoined(lost, rejoin)
-            coord.cfg = replace(coord.cfg, min_peers=1)
-        async with AsyncExitStack() as stack:
-            fleet, pipe = await coord.form(nursery, stack)
+            min_peers = 1
+        async with open_session(coord, min_peers=min_peers) as session:
+            fleet, pipe = session.fleet, session.pipe
             held: list[int] = []      # token ids whose KV the stages hold, in order: nothing on a new fleet
             while True:
                 if line is None:

@@ -101,7 +101,8 @@ def test_a_port_in_use_is_one_line(model):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        p = run("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN)
+        p = run("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN, "--http",
+                "127.0.0.1:0")
     assert p.returncode == 1
     one_line_error(p, "mesh-coord", f"{port}", "cannot listen")
 
@@ -128,7 +129,8 @@ def test_a_short_token_gets_a_warning_and_insecure_open_a_louder_one(model):
 @pytest.mark.parametrize("role", ["coord", "peer"])
 def test_ctrl_c_is_a_goodbye_and_exit_130(role, model):
     port = free_port()
-    args = (["--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN] if role == "coord" else
+    args = (["--listen", f"127.0.0.1:{port}", "--model", str(model), "--token", TOKEN, "--http", "127.0.0.1:0"]
+            if role == "coord" else
             ["--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--warmup", "0", "--token", TOKEN])
     ready = "waiting for" if role == "coord" else "unreachable"
     p = subprocess.Popen(mesh_cmd(role, *args), cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL,
@@ -166,7 +168,8 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
                                      "0", "--token", TOKEN, "--model", str(model)), cwd=ROOT, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     coord = subprocess.Popen(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token",
-                                      TOKEN, "--settle", "0.2", "--template", "raw", "--max-tokens", "1900"),
+                                      TOKEN, "--settle", "0.2", "--template", "raw", "--max-tokens", "1900",
+                                      "--chat"),
                              cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_default)
     dog = watchdog(coord, 240)

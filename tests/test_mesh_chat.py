@@ -1,4 +1,4 @@
-"""Interactive chat (`mesh-coord` without --prompt) as a user runs it, in separate processes on loopback."""
+"""Interactive chat (`mesh-coord --chat`) as a user runs it, in separate processes on loopback."""
 from __future__ import annotations
 
 import subprocess
@@ -49,7 +49,7 @@ def test_chat_survives_a_peer_that_disappears_mid_answer(model):
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(3)]
         coord = start(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--min-peers", "3",
                                "--settle", "0.5", "--wait", "120", "--template", "raw", "--max-tokens", str(MAX_TOKENS),
-                               "--token", TOKEN),
+                               "--token", TOKEN, "--chat"),
                       stdin=subprocess.PIPE)
         coord.stdin.write(PROMPT.encode() + b"\n")
         coord.stdin.flush()

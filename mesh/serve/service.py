@@ -1,0 +1,159 @@
+"""The coordinator as a service: sessions formed and re-formed for as long as it runs, and HTTP in front of them.
+
+`Service.run` is the forming loop. It opens a session (mesh/session.py), starts a Scheduler in it and serves until
+the session ends, then forms the next one:
+- a stage failed under a running step (the session raises SessionError): requests in flight get an error, the
+  survivors re-join, the next fleet forms from whoever is pooled (as the chat re-forms);
+- a member's link failed while the session was idle (`Session.wait_lost`): re-formed before the next request;
+- new peers joined and nothing is running or queued: re-formed to include them (the peers already loaded keep
+  their layers when the plan allows; NOTES "Mesh").
+While no session serves, requests are refused with 503 and Retry-After; `GET /health` says why.
+
+`serve_http` runs the ASGI app under hypercorn's trio worker, in the caller's nursery, on the coordinator's loop.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import trio
+
+from engine.chat import stop_markers
+from mesh.errors import FleetError, HopError, MeshError, SessionError, single_errors
+from mesh.link import LinkError
+from mesh.scheduler import Scheduler
+from mesh.session import open_session
+
+log = logging.getLogger("mesh.serve")
+REJOIN_SECONDS = 15.0     # how long a re-form waits for the members of the last session to re-join
+RETRY_SECONDS = 5.0       # after a fleet that would not form (a refused peer, a failed load), try again this much later
+IDLE_POLL = 0.5           # while newcomers wait for the scheduler to go idle, look this often
+
+
+def stop_ids(tokenizer) -> frozenset[int]:
+    """Token ids that end an answer: end of generation, and control tokens that open a new turn."""
+    controls = tokenizer.control_tokens()
+    return frozenset(tokenizer.eos_ids) | {controls[t] for t in stop_markers(tokenizer) if t in controls}
+
+
+class Service:
+    def __init__(self, coord, *, max_seqs: int = 4, max_queue: int = 64, api_key: str | None = None,
+                 template: str = "auto"):
+        self.coord = coord
+        self.api_key = api_key
+        self.template = template
+        self.max_seqs, self.max_queue = max_seqs, max_queue
+        self.max_context = coord.cfg.max_context
+        self.model_id = Path(coord.cfg.model).name.removesuffix(".gguf")
+        self.created = int(time.time())
+        self.stop_ids = stop_ids(coord.tokenizer)
+        self.session = None
+        self.scheduler: Scheduler | None = None
+        self.state = "forming"
+        self.sessions = 0              # how many sessions have served (a test or a status view can watch it)
+        self._changed = trio.Event()
+
+    async def wait_state(self, predicate) -> None:
+        """Wait until predicate(self) holds (tests and status views: 'serving', the next session, ...)."""
+        while not predicate(self):
+            await self._changed.wait()
+
+    def _set(self, state: str, session=None, scheduler=None) -> None:
+        self.state, self.session, self.scheduler = state, session, scheduler
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        lost: list = []            # the members of the last session, which re-join once it ends
+        rejoin = 0
+        try:
+            while True:
+                if lost:
+                    with trio.move_on_after(REJOIN_SECONDS):
+                        await self.coord.registry.wait_rejoined(lost, rejoin)
+                min_peers = self.coord.cfg.min_peers if not self.sessions else 1
+                members: list = []
+                try:
+                    async with open_session(self.coord, min_peers=min_peers, wait=math.inf) as s:
+                        members = s.members
+                        sched = Scheduler(s.pipe, n_slots=self.max_seqs, max_context=self.max_context,
+                                          max_queue=self.max_queue)
+                        await s.start(sched.run)
+                        self.sessions += 1
+                        self._set("serving", s, sched)
+                        log.info("serving %s on %d peer(s)", self.model_id, len(s.members))
+                        why, survivors = await self._until_change(s, sched)
+                        log.info("re-forming the mesh: %s", why)
+                        self._set("re-forming")
+                        lost, rejoin = s.members, survivors
+                except (SessionError, HopError, LinkError) as exc:
+                    self._set("re-forming")
+                    log.warning("the mesh session ended: %s; re-forming from the peers that are left", exc)
+                    lost, rejoin = members, max(len(members) - 1, 0)
+                except FleetError as exc:
+                    self._set("forming" if not self.sessions else "re-forming")
+                    log.warning("the fleet could not form: %s; trying again in %.0fs", exc, RETRY_SECONDS)
+                    lost, rejoin = [], 0
+                    await trio.sleep(RETRY_SECONDS)
+                except MeshError as exc:
+                    self._set("re-forming")
+                    log.warning("the mesh session ended: %s", exc)
+                    lost, rejoin = members, max(len(members) - 1, 0)
+        finally:
+            self._set("stopped")
+
+    async def _until_change(self, s, sched: Scheduler) -> tuple[str, int]:
+        """Serve until the fleet changes: returns why, and how many of the session's members should re-join."""
+        result: list[tuple[str, int]] = []
+        async with trio.open_nursery() as nursery:
+            async def lost() -> None:
+                why = await s.wait_lost()
+                result.append((why, len(s.members) - 1))
+                nursery.cancel_scope.cancel()
+
+            async def grown() -> None:
+                while True:
+                    await self.coord.registry.wait_changed()
+                    if not s.newcomers():
+                        continue
+                    await trio.sleep(self.coord.cfg.settle)     # absorb the rest of a group joining together
+                    while (st := sched.stats()).active or st.queued:
+                        await trio.sleep(IDLE_POLL)
+                    if s.newcomers():
+                        result.append((f"{len(s.newcomers())} new peer(s) joined", len(s.members)))
+                        nursery.cancel_scope.cancel()
+                        return
+            nursery.start_soon(lost)
+            nursery.start_soon(grown)
+        return result[0]
+
+
+async def serve_http(app, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` with hypercorn's trio worker until cancelled; `task_status.started` gets the bound port."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 1.0
+    config.keep_alive_timeout = 75.0       # longer than common clients' pool idle time, so they do not race a close
+
+    class _Port:                            # hypercorn reports ["http://HOST:PORT"]; our callers want the port
+        up = False
+
+        def started(self, binds=None) -> None:
+            self.up = True
+            task_status.started(int(binds[0].rsplit(":", 1)[1]))
+    status = _Port()
+    try:
+        with single_errors():               # hypercorn's nursery wraps a bind error in a group
+            await serve(app, config, task_status=status)
+    except OSError as exc:
+        if status.up:
+            raise
+        raise MeshError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from None
