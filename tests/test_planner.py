@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from mesh.planner import PlanError, StageReport, chain_order, plan_fleet, plan_split, validate_chain
@@ -59,3 +61,79 @@ def test_validate_chain_accepts_a_tiling_and_prints_the_map():
 def test_validate_chain_names_the_bad_stage(stages, message):
     with pytest.raises(PlanError, match=message):
         validate_chain(0, stages, "f" * 64)
+
+
+# ---- placement by measured speed ----------------------------------------------------------------------------------
+from mesh.planner import LinkSpeed, ModelCost, StageSpeed, plan_by_speed, predict  # noqa: E402
+
+COST = ModelCost(layer_mb=100.0, hidden_bytes=4000)
+
+
+def fast(name, ms=1.0, *, mem=10_000, rtt=0.0, mbps=0.0, step=0.0, prefill=None, **kw):
+    """A measured peer: `ms` per layer of decode, a link of `rtt` ms and `mbps` MB/s (0: not limiting)."""
+    return replace(report(name, mem=mem, **kw), speed=StageSpeed(ms, 4 * ms if prefill is None else prefill, step),
+                   link=LinkSpeed(rtt, mbps))
+
+
+def test_speed_plan_leaves_out_a_slow_peer_that_the_fast_one_makes_unneeded():
+    plan = plan_by_speed(0, 30, [fast("a"), fast("slow", 4.0), fast("b", 1.2)], COST)
+    assert plan.ranges == ((0, 30), None, None)
+    assert plan.prediction.decode_ms == pytest.approx(30.0)
+    kinds = {n.index: n.kind for n in plan.left_out}
+    assert kinds == {1: "too_slow", 2: "too_slow"}
+    line = next(n.line for n in plan.left_out if n.index == 1)
+    # one line with the figures: its speed, the fastest's, and both predictions (with it: 1 layer at 4 ms + 29 at 1)
+    assert "slow left out as too slow: decode 4.00 ms/layer (fastest in the chain 1.00)" in line
+    assert f"with it the best plan predicts {1000 / 33:.2f} tok/s, without it {1000 / 30:.2f}" in line
+
+
+def test_speed_plan_fills_the_fastest_peer_to_its_memory_and_gives_the_rest_to_the_slow_one():
+    # the fast peer holds 12 layers (1200 MB at 100 MB each); the slow one must take the other 18
+    plan = plan_by_speed(0, 30, [fast("slow", 3.0, mem=5000), fast("quick", 1.0, mem=1250)], COST)
+    assert plan.ranges == ((0, 18), (18, 30))
+    assert plan.left_out == ()
+    assert plan.prediction.decode_ms == pytest.approx(18 * 3.0 + 12 * 1.0)
+
+
+def test_speed_plan_uses_no_more_peers_than_memory_needs_when_hops_cost():
+    peers = [fast(n, 1.0, mem=1500, rtt=2.0) for n in "abc"]   # 15 layers each; every hop costs 1 ms
+    plan = plan_by_speed(0, 30, peers, COST)
+    assert sum(r is not None for r in plan.ranges) == 2
+    assert plan.prediction.decode_ms == pytest.approx(30 + 2 * 1.0)
+    assert [n.kind for n in plan.left_out] == ["too_slow"]
+
+
+def test_speed_plan_counts_bandwidth_and_fixed_step_cost():
+    # equal compute; b's link moves 4000 bytes at 1 MB/s (4 ms) and a has a 3 ms fixed step: both hold 15 max
+    peers = [fast("a", 1.0, mem=1500, step=3.0), fast("b", 1.0, mem=1500, mbps=1.0), fast("c", 1.0, mem=1500)]
+    plan = plan_by_speed(0, 30, peers, COST)
+    assert plan.ranges == ((0, 15), None, (15, 30))
+    assert plan.prediction.decode_ms == pytest.approx(30 + 3.0)
+
+
+def test_speed_plan_keeps_pins_and_fills_each_gap():
+    peers = [fast("slow", 5.0), fast("pin", 2.0, start=10, end=20, pinned=True), fast("a", 1.0, mem=1000),
+             fast("b", 1.0, mem=1000)]
+    plan = plan_by_speed(0, 30, peers, COST)
+    assert plan.ranges[1] == (10, 20)
+    assert {plan.ranges[2], plan.ranges[3]} == {(0, 10), (20, 30)}
+    assert plan.ranges[0] is None and plan.left_out[0].kind == "too_slow"
+
+
+def test_speed_plan_names_memory_and_surplus():
+    plan = plan_by_speed(0, 2, [fast("a"), fast("b"), fast("tiny", mem=50)], COST)
+    notes = {n.index: n for n in plan.left_out}
+    assert notes[2].kind == "memory" and "offers 50 MB, one layer needs 100 MB" in notes[2].line
+    with pytest.raises(PlanError, match="cannot hold layers 0..30"):
+        plan_by_speed(0, 30, [fast("a", mem=1000), fast("b", mem=1000)], COST)
+    with pytest.raises(PlanError, match="no measured speed"):
+        plan_by_speed(0, 30, [fast("a"), report("b")], COST)
+
+
+def test_prediction_sums_decode_and_takes_the_slowest_prefill_chunk():
+    peers = [fast("a", 1.0, prefill=2.0, rtt=1.0, step=0.5), fast("b", 2.0, prefill=3.0, mbps=2.0)]
+    p = predict(peers, [(0, 10), (10, 30)], COST)
+    assert p.decode_ms == pytest.approx(10 * 1.0 + 0.5 + 0.5 + 20 * 2.0 + 4000 / 2e3)
+    chunk_b = 20 * 3.0 * 64 / 16 + 4000 * 64 / 2e3       # b's chunk is the slower one
+    assert p.prefill_tok_s == pytest.approx(64 * 1000 / chunk_b)
+    assert p.decode_tok_s == pytest.approx(1000 / p.decode_ms)
