@@ -1,6 +1,7 @@
 """A shared-memory arena holding two single-producer single-consumer rings of framed records.
 
-The worker process and its client map the same memory (a memfd passed by file descriptor). Bulk data (activations in,
+The worker process and its client map the same memory (a memfd on Linux, elsewhere a POSIX shm object unlinked at
+once, engine.platform.shared_memory_fd; passed by file descriptor). Bulk data (activations in,
 activations or token ids out) is written into a ring as a record; only a small `RecordRef` travels over the control
 pipe. The reader checks every header field against the ref and against its own expectations before it looks at the
 payload, because the other side of the arena is another process that may be buggy or half dead.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import EngineError
+from engine.platform import Platform, current, shared_memory_fd
 
 ARENA_MAGIC = b"MA01"
 ARENA_VERSION = 1
@@ -150,13 +152,15 @@ class Arena:
         self.closed = False
 
     @classmethod
-    def create(cls, size: int) -> Arena:
-        """A fresh anonymous shared-memory arena (memfd: nothing to clean up in /dev/shm if a process dies)."""
+    def create(cls, size: int, platform: Platform | None = None) -> Arena:
+        """A fresh anonymous shared-memory arena (nothing to clean up in /dev/shm if a process dies)."""
         if ring_capacity(size) < 4 * RECORD_ALIGN:
             raise ArenaError(f"arena of {size} bytes is too small for two rings")
-        fd = os.memfd_create("mesh-arena", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, size)
+            fd = shared_memory_fd(size, platform or current())
+        except OSError as exc:
+            raise ArenaError(f"cannot create a shared-memory arena of {size} bytes: {exc}") from exc
+        try:
             mm = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
@@ -169,7 +173,7 @@ class Arena:
         """Map an arena created by the other process; checks its header."""
         try:
             actual = os.fstat(fd).st_size
-            if actual != size:
+            if actual < size or actual >= size + mmap.PAGESIZE * 4:   # macOS rounds a shm object up to its pages
                 raise ArenaError(f"arena fd {fd} holds {actual} bytes, expected {size}")
             mm = mmap.mmap(fd, size)
         except OSError as exc:

@@ -4,7 +4,11 @@ tinygrad 0.14 names a device and its renderer in one `DEV` value (`CPU`, `CPU:X8
 `CUDA_PTX=1` style variables now trip an assertion, so the fallbacks are expressed as `DEV` values:
 - CPU without its C compiler (`$CC`, else `clang`) on PATH -> `CPU:X86` (tinygrad's own x86 backend, about 2x
   slower, needs no compiler);
-- CUDA without `nvcc` on PATH -> `CUDA:PTX` (PTX handed to the driver, no CUDA toolkit needed).
+- CUDA without `nvcc` on PATH -> `CUDA:PTX` (PTX handed to the driver, no CUDA toolkit needed);
+- METAL where there is no Metal (not macOS, or no Metal framework) -> CPU, then CPU's own fallback; the worker also
+  falls back to CPU when METAL fails its probe (engine/worker_main.py).
+On an ARM machine (Apple Silicon) there is no compiler-free CPU renderer: CPU without clang is an error that says how
+to get it (engine/platform.py has the per-system differences).
 A `$CC` that is not clang (gcc, as on some CUDA images) counts as missing: tinygrad passes it clang-only flags. Where
 NVRTC does not load, tinygrad itself moves on to its PTX renderer. A DEV that already names a renderer is kept.
 """
@@ -19,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from engine import platform as plat_mod
 from engine.errors import EngineError
 
 
@@ -51,9 +56,12 @@ def is_clang(cc: str) -> bool:
 
 def choose_device(requested: str | None, *, default: Callable[[], str],
                   which: Callable[[str], str | None] = shutil.which,
-                  is_clang: Callable[[str], bool] = is_clang) -> DeviceChoice:
+                  is_clang: Callable[[str], bool] = is_clang,
+                  plat: plat_mod.Platform | None = None,
+                  exists: Callable[[str], bool] = os.path.exists) -> DeviceChoice:
     """Resolve `requested` (None: the DEV environment variable, else tinygrad's own default, asked lazily through
-    `default`) and apply the compiler fallbacks."""
+    `default`) and apply the fallbacks."""
+    plat = plat or plat_mod.current()
     name = requested if requested is not None else (os.environ.get("DEV") or default())
     name = name.strip()
     if not name or any(c.isspace() for c in name):
@@ -62,15 +70,27 @@ def choose_device(requested: str | None, *, default: Callable[[], str],
     kind = kind.upper()
     if rest:
         return DeviceChoice(requested, name, "default", "")
+    if why := plat_mod.device_fallback(kind, plat, exists=exists):
+        cpu = cpu_choice(requested, plat, which=which, is_clang=is_clang)
+        return DeviceChoice(requested, cpu.selected, cpu.compiler, "; ".join(r for r in (why, cpu.reason) if r))
     if kind == "CPU":
-        cc = os.environ.get("CC", "clang")  # tinygrad's CPU renderer runs $CC, else clang
-        if which(cc) is None:
-            return DeviceChoice(requested, "CPU:X86", "x86", f"{cc} not found on PATH")
-        if not is_clang(cc):
-            return DeviceChoice(requested, "CPU:X86", "x86", f"{cc} is not clang (tinygrad passes it clang-only flags)")
+        return cpu_choice(requested, plat, which=which, is_clang=is_clang)
     if kind == "CUDA" and which("nvcc") is None:
         return DeviceChoice(requested, "CUDA:PTX", "ptx", "nvcc not found on PATH")
     return DeviceChoice(requested, name, "default", "")
+
+
+def cpu_choice(requested: str | None, plat: plat_mod.Platform, *, which: Callable[[str], str | None] = shutil.which,
+               is_clang: Callable[[str], bool] = is_clang) -> DeviceChoice:
+    """CPU with clang, else tinygrad's x86 renderer on an x86 machine; an ARM machine has no compiler-free renderer."""
+    cc = os.environ.get("CC", "clang")  # tinygrad's CPU renderer runs $CC, else clang
+    why = f"{cc} not found on PATH" if which(cc) is None else \
+        "" if is_clang(cc) else f"{cc} is not clang (tinygrad passes it clang-only flags)"
+    if not why:
+        return DeviceChoice(requested, "CPU", "default", "")
+    if plat.machine not in ("x86_64", "amd64", "i686", "x86"):
+        raise DeviceError(f"CPU needs clang on {plat.machine} ({why}): {plat_mod.compiler_hint(plat)}")
+    return DeviceChoice(requested, "CPU:X86", "x86", why)
 
 
 def apply_device(choice: DeviceChoice) -> None:
@@ -85,20 +105,13 @@ def tinygrad_default() -> str:
     return Device.DEFAULT
 
 
-# what an accelerator tinygrad could open leaves on a Linux machine: NVIDIA's and AMD's device nodes, a DRM GPU
-# (OpenCL, Intel/AMD), an OpenCL ICD, WSL's GPU bridge, Qualcomm's KGSL
-_ACCELERATOR_TRACES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dri", "/etc/OpenCL/vendors", "/dev/dxg",
-                       "/dev/kgsl-3d0")
-
-
 def quick_default(*, platform: str = sys.platform, exists: Callable[[str], bool] = os.path.exists,
-                  ask: Callable[[], str] = tinygrad_default) -> str:
+                  ask: Callable[[], str] = tinygrad_default, machine: str | None = None) -> str:
     """tinygrad's own default opens every backend in turn (METAL, AMD, NV, CUDA, QCOM, CL, ... CPU) and keeps the
-    first that opens: ~1 s of a cold start on a Linux machine that has none of them (NV alone 0.6 s). Where no trace
-    of an accelerator is present the answer is CPU without asking; anywhere else tinygrad decides as before."""
-    if platform.startswith("linux") and not any(exists(p) for p in _ACCELERATOR_TRACES):
-        return "CPU"
-    return ask()
+    first that opens: ~1 s of a cold start on a Linux machine that has none of them (NV alone 0.6 s). Where the
+    answer is plain (engine.platform.default_device) it is given without asking; elsewhere tinygrad decides."""
+    plat = plat_mod.Platform(platform, machine if machine is not None else plat_mod.current().machine)
+    return plat_mod.default_device(plat, exists=exists, ask=ask)
 
 
 def probe_device() -> Probe:

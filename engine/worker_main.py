@@ -24,11 +24,18 @@ from typing import NoReturn
 import numpy as np
 
 from engine.arena import EGRESS, INGRESS, Arena, ArenaError, RecordError, RingFull, RingReader, RingWriter
-from engine.device import DeviceError, apply_device, choose_device, probe_device, quick_default
+from engine.device import (DeviceChoice, DeviceError, apply_device, choose_device, cpu_choice, probe_device,
+                           quick_default)
+from engine.platform import current
 from engine.errors import EngineError
 from engine.worker_proto import (MAX_LINE, CommandError, Done, Event, Fatal, Initialize, Load, Loaded, Ready,
                                  Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireError, WorkerInfo, ZeroSlot,
                                  command_name, decode_command, encode_event)
+
+
+# Test-only (bench/placement_bench.py, tests/test_placement.py): every step of this worker sleeps this many ms per
+# layer it holds, so a peer on the same machine behaves like a slower device. Unset everywhere else.
+_SLOW_MS_PER_LAYER = float(os.environ.get("MESH_TEST_SLOW_MS_PER_LAYER") or 0)
 
 
 class _Exit(Exception):
@@ -108,7 +115,17 @@ class WorkerLoop:
         try:
             choice = choose_device(cmd.device, default=quick_default)
             apply_device(choice)
-            probe = probe_device()
+            try:
+                probe = probe_device()
+            except DeviceError as exc:
+                # METAL -> CPU: a Mac whose Metal does not work (a VM, a broken driver) still serves on its CPU
+                if choice.selected.split(":")[0].upper() != "METAL":
+                    raise
+                cpu = cpu_choice(choice.requested, current())
+                choice = DeviceChoice(choice.requested, cpu.selected, cpu.compiler,
+                                      "; ".join(r for r in (f"METAL failed its probe: {exc}", cpu.reason) if r))
+                apply_device(choice)
+                probe = probe_device()
         except DeviceError as exc:
             self.fatal("device", str(exc), cmd.cid)
         self.initialized = True
@@ -190,6 +207,8 @@ class WorkerLoop:
             out = stage.step(cols, hidden, sampling)
         except EngineError as exc:
             raise _Refuse(f"{type(exc).__name__}: {exc}") from None
+        if _SLOW_MS_PER_LAYER:  # test-only: a device this many ms per layer slower (a sleep: it costs no CPU)
+            time.sleep(_SLOW_MS_PER_LAYER * (stage.end - stage.start) / 1000)
         compute_ms = (time.perf_counter() - t0) * 1000
         self.last_step_id = cmd.step_id
         try:

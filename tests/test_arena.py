@@ -352,5 +352,7 @@ def test_quick_default_skips_tinygrads_probe_only_where_no_accelerator_leaves_a_
     assert quick_default(platform="linux", exists=lambda p: False, ask=ask) == "CPU" and not asked
     assert quick_default(platform="linux", exists=lambda p: p == "/dev/nvidiactl", ask=ask) == "CUDA"
     assert quick_default(platform="linux", exists=lambda p: p == "/dev/dri", ask=ask) == "CUDA"
-    assert quick_default(platform="darwin", exists=lambda p: False, ask=ask) == "CUDA"  # METAL is tinygrad's call
+    assert quick_default(platform="darwin", exists=lambda p: False, ask=ask) == "CPU"   # a Mac without Metal
+    assert quick_default(platform="darwin", exists=lambda p: p.endswith("Metal.framework"), ask=ask) == "METAL"
+    assert quick_default(platform="win32", exists=lambda p: False, ask=ask) == "CUDA"   # tinygrad decides
     assert len(asked) == 3
