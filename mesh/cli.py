@@ -246,6 +246,9 @@ def coord_parser() -> argparse.ArgumentParser:
 
 
 def coord_main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:
+        return status_main(argv[1:])
     parser = coord_parser()
     args = parser.parse_args(argv)
     if args.prompt is None and not args.chat:
@@ -458,6 +461,59 @@ async def _stoppable(answer):
     if not result:
         raise _Stopped()
     return result[0]
+
+
+# ---- mesh-coord status ----------------------------------------------------------------------------------------
+
+def status_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mesh-coord status",
+                                description="Show a serving coordinator's mesh: peers, hops, per-stage speed, "
+                                            "sequences (GET /v1/mesh).")
+    p.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
+                   help="where mesh-coord serves HTTP (default 127.0.0.1:8080), or a http(s):// URL")
+    p.add_argument("--api-key", help=f"the server's API key (default: ${API_KEY_ENV})")
+    p.add_argument("--json", action="store_true", help="print the status JSON as the server sent it")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after (default 10)")
+    return p
+
+
+def status_main(argv: list[str]) -> None:
+    """One look at the mesh. Rates are measured between two readings, so when the server has none recent yet, ask
+    again a second later (the server keeps the first)."""
+    import json
+    import time
+    from mesh.serve.status import format_status
+    args = status_parser().parse_args(argv)
+    base = args.http if "://" in args.http else f"http://{args.http}"
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    st = _get_status(base, key, args.timeout)
+    if st.get("state") == "serving" and any(s.get("tok_per_s") is None and not s.get("local")
+                                            for s in st.get("stages", [])):
+        time.sleep(1.0)
+        st = _get_status(base, key, args.timeout)
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+
+
+def _get_status(base: str, key: str | None, timeout: float) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+    url = base.rstrip("/") + "/v1/mesh"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # the coordinator is near: no proxy
+    try:
+        with opener.open(req, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            why = json.loads(exc.read())["error"]["message"]
+        except Exception:
+            why = exc.reason
+        hint = f" (pass --api-key or set ${API_KEY_ENV})" if exc.code == 401 and not key else ""
+        sys.exit(f"mesh-coord status: {url}: {exc.code} {why}{hint}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        why = getattr(exc, "reason", exc)
+        sys.exit(f"mesh-coord status: cannot reach {url}: {why} (is mesh-coord serving there? see --http)")
 
 
 # ---- mesh-peer -----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from mesh.logsafe import clean
 from mesh.pipeline import ChainPipeline, HubPipeline, Pipeline, generate
 from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
 from mesh.registry import Member, Registry
+from mesh.serve.status import transport_of_addr
 
 log = logging.getLogger("mesh.coord")
 RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
@@ -94,7 +95,11 @@ class Fleet:
         self.members: list[Member] = []
         self.ranges: list[tuple[int, int]] = []     # each member's layers, chain order (after negotiate)
         self.local = None
+        self.infos: list[proto.Info] = []       # each member's last Info, in chain order (the status view)
+        self.hops: list[str | None] = []        # the transport each hop came up on (tcp/ws/webrtc), in chain order
         self._plans: dict[tuple[int, int], object] = {}
+        self._stats_lock = trio.Lock()
+        self._stats_owed: list[int] = []
 
     @property
     def first_layer(self) -> int:
@@ -132,6 +137,7 @@ class Fleet:
         order = sorted(range(len(members)), key=lambda i: infos[i].start)
         self.members = [members[i] for i in order]
         self.ranges = [(infos[i].start, infos[i].end) for i in order]
+        self.infos = [infos[i] for i in order]
         try:
             return validate_chain(self.first_layer, [_info_report(members[i], infos[i]) for i in order],
                                   self.identity)
@@ -178,6 +184,31 @@ class Fleet:
         if not isinstance(ack, proto.Ack) or ack.code != proto.LoadCode.OK:
             raise FleetError(f"{m.name} still cannot load layers {r[0]}..{r[1]} after shipping: "
                              f"{clean(getattr(ack, 'reason', type(ack).__name__))}")
+
+    async def read_stats(self, timeout: float = 2.0) -> list:
+        """Each stage's cumulative work (`proto.Stats` as `StageCounters`), None for a stage that did not answer
+        in time. Only in p2p mode once the chain is wired: then nothing else reads the control links (in hub mode
+        they carry the steps, and the coordinator times each stage itself)."""
+        from mesh.serve.status import StageCounters
+        out: list = [None] * len(self.members)
+        if self.cfg.chain != "p2p" or len(self.hops) < len(self.members):
+            return out
+        async with self._stats_lock:
+            owed = self._stats_owed = self._stats_owed or [0] * len(self.members)
+            with trio.move_on_after(timeout):
+                for k, m in enumerate(self.members):
+                    await m.link.send(proto.StatsRequest())
+                    owed[k] += 1
+                for k, m in enumerate(self.members):
+                    while owed[k]:      # answers come in order; one owed by a poll that timed out is read first
+                        try:
+                            ev = await m.link.receive()
+                        except (LinkError, RemoteError):
+                            break
+                        if isinstance(ev, proto.Stats):
+                            owed[k] -= 1
+                            out[k] = StageCounters(trio.current_time(), ev.steps, ev.columns, ev.busy_us / 1e6)
+        return out
 
     async def send_vocab(self) -> None:
         vocab = proto.Vocab(tuple(self.tokenizer.token_bytes(i) for i in range(self.tokenizer.vocab_size)))
@@ -240,7 +271,10 @@ async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
     names = [m.name for m in fleet.members]
     links = [m.link for m in fleet.members]
     if fleet.cfg.chain == "hub":
+        from mesh.serve.status import transport_of_stream
+        fleet.hops = [transport_of_stream(link.stream) for link in links]
         return HubPipeline(links, names, fleet.local)
+    fleet.hops = []
     send, receive = trio.open_memory_channel(64)
     watchers = await stack.enter_async_context(trio.open_nursery())
     stack.callback(watchers.cancel_scope.cancel)       # runs first at the session's end, then the nursery closes
@@ -282,6 +316,7 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
         except LinkError as exc:
             raise HopError(f"hop {k + 1}: {m.name} is gone: {exc}") from None
         if isinstance(ack, proto.Ack) and ack.code == 0:
+            fleet.hops.append(transport_of_addr(addr))
             return
         direct_error = clean(getattr(ack, "reason", type(ack).__name__))
         if sink or not fleet.cfg.auto_webrtc:
@@ -298,6 +333,7 @@ async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:
     except Exception as exc:
         raise HopError(f"hop {k + 1} ({m.name} -> {nxt.name}): direct dial: {direct_error}; webrtc: {exc}") from None
     log.info("hop %d (%s -> %s) runs over WebRTC", k + 1, m.name, nxt.name)
+    fleet.hops.append("webrtc")
 
 
 class Coordinator:

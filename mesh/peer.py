@@ -229,6 +229,9 @@ class Peer:
             await link.send(proto.Ack(proto.MsgType.LOAD, int(code), reason))
         elif isinstance(ev, proto.Chain):
             await self._handle_chain(ev, link, nursery)
+        elif isinstance(ev, proto.StatsRequest):
+            r = self.report
+            await link.send(proto.Stats(r.steps, r.columns, int(r.busy_s * 1e6)))
         elif isinstance(ev, proto.Vocab):
             self.vocab = ev.tokens
         elif isinstance(ev, (proto.BatchStep, proto.Step)):

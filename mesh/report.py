@@ -15,6 +15,7 @@ class DonorReport:
     layers: tuple[int, int] | None = None
     steps: int = 0
     columns: int = 0
+    busy_s: float = 0.0                 # seconds computing, over the stage's life (mesh.proto Stats)
     window: deque = field(default_factory=lambda: deque(maxlen=256))   # (monotonic time, columns, busy seconds)
     recent: bytearray = field(default_factory=bytearray)
     _printed_steps: int = -1
@@ -22,6 +23,7 @@ class DonorReport:
     def record(self, columns, busy_s: float, vocab: tuple[bytes, ...]) -> None:
         self.steps += 1
         self.columns += len(columns)
+        self.busy_s += busy_s
         self.window.append((time.monotonic(), len(columns), busy_s))
         # Prefill columns are the prompt; a decode step's column is the token generated one step before.
         for tok in (c.token for c in columns):

@@ -28,6 +28,7 @@ else
   command -v iptables >/dev/null || need_apt+=(iptables)      # NAT in those tests
   command -v turnserver >/dev/null || need_apt+=(coturn)      # STUN/TURN server on the test's public segment
   command -v conntrack >/dev/null || need_apt+=(conntrack)
+  command -v chromium >/dev/null || need_apt+=(chromium)      # the web page's browser test (Playwright drives it)
   if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null

@@ -35,6 +35,8 @@ SAMPLES: list[p.Event] = [
     p.Vocab((b"<s>", b"", b"\xff\xfe", "é".encode() * 200)),
     p.Chain(":7001", True),
     p.Chain(""),
+    p.StatsRequest(),
+    p.Stats(2**40, 7, 123456789),
     p.Step(3, 1, 17, (1, 2, 3), None, p.SamplingParams(0.7, 40, 0.95, 2**64 - 1)),
     p.Step(3, 1, 17, (), p.Activation("f32", (1, 4), bytes(16))),
     p.BatchStep(9, False, (p.Column(4, 0, True, 11), p.Column(5, 1)), ACT),

@@ -10,7 +10,7 @@ from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, Au
                      BlockTable, Chain, Column, Done, Draft, DraftBatch, DraftSeed, Error, Event, Hello, Hidden,
                      Info, InfoRequest, Join, Load, LoadCode, MsgType, Ping, Pong, Reset, Rollback, RtcChain,
                      RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd, ShipResume, Shutdown, Signal,
-                     SignalKind, Step, Tokens, Vocab, Welcome, WindowUpdate, ZeroSlot)
+                     SignalKind, Stats, StatsRequest, Step, Tokens, Vocab, Welcome, WindowUpdate, ZeroSlot)
 from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
 
@@ -21,6 +21,6 @@ __all__ = [
     "DraftBatch", "DraftSeed", "Error", "ErrorCode", "Event", "FlowWindow", "Hello", "Hidden", "Info",
     "InfoRequest", "Join", "Liveness", "Load", "LoadCode", "MsgType", "Ping", "Pong", "ProtoError",
     "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "Sampling", "SamplingParams", "ServerHandshake",
-    "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Step", "Tokens",
+    "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Stats", "StatsRequest", "Step", "Tokens",
     "Vocab", "Welcome", "WindowUpdate", "ZeroSlot", "flow_controlled", "frame_cost",
 ]

@@ -41,6 +41,8 @@ class MsgType(IntEnum):
     ACK = 20
     VOCAB = 21
     CHAIN = 22
+    STATS_REQUEST = 23
+    STATS = 24
     # compute
     STEP = 32
     BATCH_STEP = 33
@@ -494,6 +496,23 @@ class Chain(Event):
 
     addr: str
     sink: bool = False
+
+
+@_message(MsgType.STATS_REQUEST)
+@dataclass(frozen=True, slots=True)
+class StatsRequest(Event):
+    """Coordinator -> stage on the control link: how much have you computed? Answered by Stats."""
+
+
+@_message(MsgType.STATS, U64, U64, U64)
+@dataclass(frozen=True, slots=True)
+class Stats(Event):
+    """A stage's cumulative work since it loaded its layers: steps, columns (tokens) computed, and microseconds spent
+    computing them. The coordinator turns two readings into ms per step, tok/s and busy time (mesh/serve/status.py)."""
+
+    steps: int
+    columns: int
+    busy_us: int
 
 
 # --------------------------------------------------------------------------------------------------- compute
