@@ -1,0 +1,62 @@
+"""The status view of a live mesh: a real coordinator and two real peers in this process (workers are processes),
+the tiny model. The stages report their own counters (proto Stats on the control link); the view shows each peer's
+device, layers and memory, the transport of every hop, and per-stage ms per step and tok/s once tokens flowed."""
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from engine.stage import Sampling
+from mesh.coordinator import CoordConfig, Coordinator
+from mesh.peer import Peer, PeerConfig
+from mesh.pipeline import generate
+from mesh.serve.status import StageHistory, format_status, snapshot
+from tests.mesh_fixtures import write_tiny_chat_model
+
+pytestmark = pytest.mark.slow       # peers start worker processes
+TOKEN = b"status-view-token-0123"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_layers=4)
+
+
+async def test_a_live_mesh_reports_its_stages_and_hops(model):
+    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=2, settle=0.2, warmup=0)
+    coord = Coordinator(cfg)
+    with trio.fail_after(240):            # worker processes compile their steps; a loaded box is slow
+        async with trio.open_nursery() as nursery:
+            port = await coord.serve_registry(nursery)
+            for memory_mb in (3000, 1000):
+                peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, listen="127.0.0.1:0", model=model,
+                                       memory_mb=memory_mb, warmup=0))
+                nursery.start_soon(peer.run)
+            async with AsyncExitStack() as stack:
+                fleet, pipe = await coord.form(nursery, stack)
+                service = SimpleNamespace(coord=coord, session=SimpleNamespace(fleet=fleet), scheduler=None,
+                                          model_id="tiny", state="serving")
+                history = StageHistory(min_gap=0.0)
+                before = await snapshot(service, history)
+                ids = coord.encode("hello there", template="auto")
+                await generate(pipe, ids, max_tokens=24, sampling=Sampling(), eos_ids=frozenset())
+                await trio.sleep(0.05)                    # a rate needs the clock to move between two readings
+                after = await snapshot(service, history)
+            nursery.cancel_scope.cancel()
+
+    assert before["state"] == "serving" and before["chain"] == "p2p" and before["model"] == "tiny"
+    stages = after["stages"]
+    assert sorted((s["memory_mb"], s["layers"][1] - s["layers"][0]) for s in stages) == [(1000, 1), (3000, 3)]
+    assert [s["layers"][0] for s in stages] == [0, stages[0]["layers"][1]]     # chain order, tiling 0..4
+    assert all(s["device"] for s in stages) and all(s["host"] == "127.0.0.1" for s in stages)
+    assert [h["transport"] for h in after["hops"]] == ["tcp", "tcp", "tcp"]
+    assert after["hops"][-1]["to"] == "coordinator (sink)"
+    for s in stages:
+        assert s["steps"] >= 1 + 23, s            # the prompt's chunk and the decode steps, at least
+        assert s["ms_per_step"] > 0 and s["tok_per_s"] > 0 and 0 < s["busy"] <= 1
+    assert before["stages"][0]["steps"] == 0 and before["stages"][0]["ms_per_step"] is None
+    text = format_status(after)
+    assert f"{stages[0]['layers'][0]}..{stages[0]['layers'][1]}" in text and "coordinator (sink) tcp" in text
