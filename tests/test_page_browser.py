@@ -107,14 +107,15 @@ def test_stream_stop_and_new_chat_in_a_browser(server, browser):
     expect(page.locator("#status-summary")).to_contain_text("0 active of 2")
 
     # A long answer streams in: the text grows while the bubble is still streaming.
+    page.click(".settings summary")                                # the settings fold open
     page.fill("#max-tokens", "1800")
     page.fill("#input", "Tell me a very long story about the sea.")
     page.press("#input", "Enter")
     expect(page.locator(".msg.user")).to_have_text("Tell me a very long story about the sea.")
     answer = page.locator(".msg.assistant")
-    page.wait_for_function("document.querySelector('.msg.assistant').textContent.length >= 4")
-    seen = len(answer.text_content())
-    page.wait_for_function("n => document.querySelector('.msg.assistant').textContent.length > n", arg=seen)
+    # (polled from here: the page's CSP forbids the string evaluation wait_for_function would do)
+    seen = len(wait_until(lambda: answer.text_content() if len(answer.text_content()) >= 4 else "", what="text"))
+    wait_until(lambda: len(answer.text_content()) > seen, what="more streamed text")
     expect(answer).to_have_class("msg assistant streaming")          # still streaming: not finished yet
     assert get(server, "/v1/mesh")[2]["scheduler"]["active"] == 1
     expect(page.locator("#stop")).to_be_visible()

@@ -237,10 +237,11 @@ function renderStatus(st) {
   (st.stages || []).forEach((stage, k) => {
     const row = document.createElement("tr");
     cell(row, String(k + 1));
-    cell(row, stage.name, "", stage.host && !stage.name.includes(stage.host) ? stage.host : "");
-    cell(row, stage.device || "–");
+    // "peer 2 (10.0.0.6)": the name on one line, the host under it
+    const m = /^(.*) \((.*)\)$/.exec(stage.name);
+    cell(row, m ? m[1] : stage.name, "", m ? m[2] : stage.host || "");
+    cell(row, stage.device || "–", "", stage.memory_mb ? `${(stage.memory_mb / 1024).toFixed(1)} GB` : "");
     cell(row, stage.layers ? `${stage.layers[0]}..${stage.layers[1]}` : "–");
-    cell(row, stage.memory_mb ? `${(stage.memory_mb / 1024).toFixed(1)} GB` : "–", "num");
     cell(row, fmt(stage.ms_per_step, 1), "num",
          stage.predicted_ms_per_step !== null && stage.predicted_ms_per_step !== undefined
            ? `plan ${fmt(stage.predicted_ms_per_step, 1)}` : "");
