@@ -21,6 +21,11 @@ class Stats:          # the scheduler's SchedulerStats shape (mesh/scheduler.py)
     max_seqs: int
     steps: int
     tokens_out: int
+    prompt_tokens: int = 0
+    in_flight: int = 0
+    micro_batches: int = 1
+    step_ms: float | None = None
+    stage_ms: tuple[float, ...] | None = None
 
 
 def member(n: int, host: str, memory_mb: int = 0):
@@ -130,7 +135,7 @@ def test_build_status_is_json_and_complete():
         predicted_tok_per_s=41.23)
     assert json.loads(json.dumps(st)) == st
     assert st["scheduler"] == {"active": 3, "queued": 2, "max_seqs": 8, "steps": 100, "tokens_out": 97,
-                               "ms_per_step": None}
+                               "prompt_tokens": 0, "in_flight": 0, "micro_batches": 1, "ms_per_step": None}
     s1, s2 = st["stages"]
     assert (s1["ms_per_step"], s1["tok_per_s"], s1["busy"]) == (15.0, 60.0, 0.75)
     assert (s2["ms_per_step"], s2["tok_per_s"]) == (None, None)
@@ -158,5 +163,18 @@ def test_an_unknown_transport_is_a_bug_not_a_label():
 
 def test_scheduler_stats_may_grow_and_may_be_a_mapping():
     assert scheduler_dict(None) is None
-    d = scheduler_dict({"active": 1, "queued": 0, "max_seqs": 4, "ms_per_step": 12.345})
-    assert d == {"active": 1, "queued": 0, "max_seqs": 4, "steps": None, "tokens_out": None, "ms_per_step": 12.35}
+    d = scheduler_dict({"active": 1, "queued": 0, "max_seqs": 4, "step_ms": 12.345})
+    assert d == {"active": 1, "queued": 0, "max_seqs": 4, "steps": None, "tokens_out": None, "prompt_tokens": None,
+                 "in_flight": None, "micro_batches": None, "ms_per_step": 12.35}
+
+
+def test_the_schedulers_stage_times_stand_in_where_stages_did_not_report():
+    stages = fleet_stages([member(1, "a"), member(2, "b")], [proto.Info(2, 3, 4, 0, False, "", "CPU", True),
+                                                            proto.Info(3, 4, 4, 0, False, "", "CPU", True)],
+                          local=(0, 2))
+    st = build_status(model="m", state="serving", chain="hub", stages=stages,
+                      figures=[None, None, stage_figures(None, StageCounters(1.0, 10, 10, 0.5))],
+                      scheduler=Stats(1, 0, 4, 10, 9, step_ms=31.0, stage_ms=(7.5, 9.0)))
+    assert [s["ms_per_step"] for s in st["stages"]] == [None, 7.5, 50.0]     # the stage's own report wins
+    assert st["scheduler"]["ms_per_step"] == 31.0
+    assert "31.0 ms a step" in format_status(st)

@@ -12,7 +12,8 @@ Shape (every key always present; unknown figures are null):
      "stages": [{"name", "host", "device", "layers": [start, end], "memory_mb", "local": bool,
                  "ms_per_step", "tok_per_s", "busy", "steps", "predicted_ms_per_step"}],
      "hops": [{"from", "to", "transport": "tcp"|"ws"|"webrtc"|null}],
-     "scheduler": {"active", "queued", "max_seqs", "steps", "tokens_out", "ms_per_step"} | null,
+     "scheduler": {"active", "queued", "max_seqs", "steps", "tokens_out", "prompt_tokens", "in_flight",
+                   "micro_batches", "ms_per_step"} | null,
      "predicted_tok_per_s": float | null}
 """
 from __future__ import annotations
@@ -88,15 +89,22 @@ def build_status(*, model: str, state: str, detail: str = "", chain: str | None 
     "local"}; `figures[k]` and `predicted_ms[k]` belong to `stages[k]` (shorter sequences: unknown); `scheduler` is
     the scheduler's stats (mesh/scheduler.py SchedulerStats) or None before one runs."""
     out_stages = []
+    # Where the stages did not report (hub mode), the scheduler's per-stage times stand in: it times each stage's
+    # reply there (SchedulerStats.stage_ms, one per remote stage in chain order).
+    stage_ms = list(getattr(scheduler, "stage_ms", None) or ()) if not isinstance(scheduler, Mapping) else []
+    remote = [k for k, s in enumerate(stages) if not s.get("local")]
     for k, s in enumerate(stages):
         f = figures[k] if k < len(figures) else None
+        r = remote.index(k) if k in remote else -1
+        if f is None and 0 <= r < len(stage_ms) and stage_ms[r] is not None:
+            f = StageFigures(stage_ms[r], None, None, 0)
         layers = s.get("layers")
         out_stages.append({
             "name": str(s.get("name", f"stage {k + 1}")), "host": s.get("host") or None,
             "device": s.get("device") or None, "layers": list(layers) if layers else None,
             "memory_mb": int(s["memory_mb"]) if s.get("memory_mb") else None, "local": bool(s.get("local")),
             "ms_per_step": _num(f.ms_per_step if f else None, 2), "tok_per_s": _num(f.tok_per_s if f else None, 1),
-            "busy": _num(f.busy if f else None, 3), "steps": f.steps if f else None,
+            "busy": _num(f.busy if f else None, 3), "steps": f.steps if f and f.steps else None,
             "predicted_ms_per_step": _num(predicted_ms[k] if k < len(predicted_ms) else None, 2),
         })
     out_hops = []
@@ -117,9 +125,11 @@ def scheduler_dict(stats: Any) -> dict | None:
     if stats is None:
         return None
     get = (lambda k: stats.get(k)) if isinstance(stats, Mapping) else (lambda k: getattr(stats, k, None))
-    out = {k: get(k) for k in ("active", "queued", "max_seqs", "steps", "tokens_out")}
+    out = {k: get(k) for k in ("active", "queued", "max_seqs", "steps", "tokens_out", "prompt_tokens", "in_flight",
+                               "micro_batches")}
     out = {k: (int(v) if v is not None else None) for k, v in out.items()}
-    out["ms_per_step"] = _num(get("ms_per_step"), 2)
+    step_ms = get("step_ms")                        # submit-to-answer time of recent micro-batches
+    out["ms_per_step"] = _num(step_ms if step_ms is not None else get("ms_per_step"), 2)
     return out
 
 
