@@ -135,3 +135,22 @@ def test_stream_stop_and_new_chat_in_a_browser(server, browser):
     assert page.evaluate("state.messages") == []
     assert errors == []
     page.close()
+
+
+def test_mesh_coord_status_prints_the_same_in_a_terminal(server):
+    from tests.mesh_fixtures import ROOT, child_env, mesh_cmd
+    import subprocess
+    cmd = mesh_cmd("coord", "status", "--http", f"127.0.0.1:{server.port}")
+    out = subprocess.run(cmd + ["--api-key", KEY], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"model {MODEL_ID}  state serving  chain p2p")
+    assert "active / 2 slots" in lines[1]
+    row = next(line for line in lines if line.startswith("1 "))
+    assert "0..2" in row and "CPU" in row
+    assert lines[-1].startswith("hops: coordinator -> peer 1 (127.0.0.1) tcp")
+    refused = subprocess.run(cmd, cwd=ROOT, env=child_env(MESH_API_KEY=""), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith(f"mesh-coord status: http://127.0.0.1:{server.port}/v1/mesh: 401 no API key")
+    assert "(pass --api-key or set $MESH_API_KEY)" in refused.stderr

@@ -178,3 +178,13 @@ def test_the_schedulers_stage_times_stand_in_where_stages_did_not_report():
     assert [s["ms_per_step"] for s in st["stages"]] == [None, 7.5, 50.0]     # the stage's own report wins
     assert st["scheduler"]["ms_per_step"] == 31.0
     assert "31.0 ms a step" in format_status(st)
+
+
+def test_status_command_names_an_unreachable_server(capsys):
+    from mesh.cli import coord_main
+    from tests.mesh_fixtures import free_port
+    port = free_port()
+    with pytest.raises(SystemExit) as exc:
+        coord_main(["status", "--http", f"127.0.0.1:{port}", "--timeout", "5"])
+    assert exc.value.code == (f"mesh-coord status: cannot reach http://127.0.0.1:{port}/v1/mesh: [Errno 111] "
+                              f"Connection refused (is mesh-coord serving there? see --http)")
