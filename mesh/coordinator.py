@@ -188,7 +188,7 @@ class Fleet:
     async def read_stats(self, timeout: float = 2.0) -> list:
         """Each stage's cumulative work (`proto.Stats` as `StageCounters`), None for a stage that did not answer
         in time. Only in p2p mode once the chain is wired: then nothing else reads the control links (in hub mode
-        they carry the steps, and the coordinator times each stage itself)."""
+        they carry the steps; the scheduler's per-stage times stand in there, mesh/serve/status.py)."""
         from mesh.serve.status import StageCounters
         out: list = [None] * len(self.members)
         if self.cfg.chain != "p2p" or len(self.hops) < len(self.members):
@@ -197,7 +197,10 @@ class Fleet:
             owed = self._stats_owed = self._stats_owed or [0] * len(self.members)
             with trio.move_on_after(timeout):
                 for k, m in enumerate(self.members):
-                    await m.link.send(proto.StatsRequest())
+                    try:
+                        await m.link.send(proto.StatsRequest())
+                    except LinkError:      # a stage that is gone has no figures; the session hears it elsewhere
+                        continue
                     owed[k] += 1
                 for k, m in enumerate(self.members):
                     while owed[k]:      # answers come in order; one owed by a poll that timed out is read first
