@@ -38,7 +38,7 @@ class StageFigures:
     ms_per_step: float | None
     tok_per_s: float | None
     busy: float | None          # fraction of wall time computing, 0..1 (the pipeline's bubble is 1 - busy)
-    steps: int
+    steps: int | None
 
 
 def stage_figures(prev: StageCounters | None, cur: StageCounters | None) -> StageFigures | None:
@@ -97,14 +97,14 @@ def build_status(*, model: str, state: str, detail: str = "", chain: str | None 
         f = figures[k] if k < len(figures) else None
         r = remote.index(k) if k in remote else -1
         if f is None and 0 <= r < len(stage_ms) and stage_ms[r] is not None:
-            f = StageFigures(stage_ms[r], None, None, 0)
+            f = StageFigures(stage_ms[r], None, None, None)
         layers = s.get("layers")
         out_stages.append({
             "name": str(s.get("name", f"stage {k + 1}")), "host": s.get("host") or None,
             "device": s.get("device") or None, "layers": list(layers) if layers else None,
             "memory_mb": int(s["memory_mb"]) if s.get("memory_mb") else None, "local": bool(s.get("local")),
             "ms_per_step": _num(f.ms_per_step if f else None, 2), "tok_per_s": _num(f.tok_per_s if f else None, 1),
-            "busy": _num(f.busy if f else None, 3), "steps": f.steps if f and f.steps else None,
+            "busy": _num(f.busy if f else None, 3), "steps": f.steps if f else None,
             "predicted_ms_per_step": _num(predicted_ms[k] if k < len(predicted_ms) else None, 2),
         })
     out_hops = []
