@@ -27,7 +27,6 @@ try:
 except ImportError:                    # pragma: no cover - setup.sh installs it with the test extras
     sync_playwright = None
 
-pytest.importorskip("mesh.serve.app", reason="the HTTP service (mesh/serve/app.py) is not in this tree yet")
 if sync_playwright is None or not os.path.exists(CHROMIUM):
     pytest.skip("the browser test needs Debian's chromium (apt-get install chromium; scripts/setup.sh does) and the "
                 "playwright package (pip install playwright; no `playwright install`)", allow_module_level=True)

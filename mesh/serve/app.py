@@ -7,7 +7,8 @@ Routes come from modules, each with `routes(service) -> list[starlette.routing.B
 `PUBLIC: tuple[str, ...]`, path prefixes served without the API key (a static page that holds no data; it must ask
 for the key itself before calling the API). The list below is the one place a module is added:
     mesh.serve.openai_api   /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health  (api)
-    page's modules          /, /v1/mesh and static files                                     (page; add them here)
+    mesh.serve.status       /v1/mesh: the mesh's status as JSON                              (page)
+    mesh.serve.page         / and /static/*: the web chat page (public: it asks for the key)  (page)
 Later modules cannot shadow earlier paths: Starlette matches routes in order.
 
 What a route module may use of `service` (mesh/serve/service.py, `Service`):
@@ -34,7 +35,7 @@ from starlette.responses import JSONResponse
 
 log = logging.getLogger("mesh.serve")
 
-ROUTE_MODULES: list[str] = ["mesh.serve.openai_api"]
+ROUTE_MODULES: list[str] = ["mesh.serve.openai_api", "mesh.serve.status", "mesh.serve.page"]
 MAX_BODY = 8 << 20         # a request body past 8 MiB is refused (413) before it is read whole
 
 
@@ -97,7 +98,8 @@ class BearerAuth:
         await response(scope, receive, send)
 
     def _public(self, path: str) -> bool:
-        return any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.public)
+        """A public entry is an exact path, or a prefix when it ends in "/" ("/" itself is only the root page)."""
+        return any(path == p or (p.endswith("/") and p != "/" and path.startswith(p)) for p in self.public)
 
 
 def build_app(service) -> Starlette:
