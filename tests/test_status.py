@@ -132,7 +132,9 @@ def test_build_status_is_json_and_complete():
         hops=fleet_hops("p2p", [m.name for m in members], ["tcp", "ws", "tcp"]),
         figures=[stage_figures(StageCounters(0, 0, 0, 0), StageCounters(2, 100, 120, 1.5)), None],
         scheduler=Stats(active=3, queued=2, max_seqs=8, steps=100, tokens_out=97),
-        predicted_tok_per_s=41.23)
+        placement=SimpleNamespace(policy="speed", predicted_decode_tok_s=41.23, predicted_prefill_tok_s=812.4,
+                                  measured_decode_tok_s=None, note="",
+                                  left_out=("peer 3 (10.0.0.7) is left out: 120 ms a layer",)))
     assert json.loads(json.dumps(st)) == st
     assert st["scheduler"] == {"active": 3, "queued": 2, "max_seqs": 8, "steps": 100, "tokens_out": 97,
                                "prompt_tokens": 0, "in_flight": 0, "micro_batches": 1, "ms_per_step": None}
@@ -146,12 +148,15 @@ def test_build_status_is_json_and_complete():
     assert "peer 1 (10.0.0.5)" in text and "0..15" in text and "15.0" in text and "75%" in text
     assert "METAL" in text and "2048 MB" in text
     assert "peer 1 (10.0.0.5) -> peer 2 (10.0.0.6) ws" in text
-    assert "planner predicts 41.2 tok/s" in text
+    assert "placement speed, predicts 41.2 tok/s decode, 812 tok/s prefill" in text
+    assert "left out: peer 3 (10.0.0.7) is left out: 120 ms a layer" in text
+    assert st["placement"]["left_out"] == ["peer 3 (10.0.0.7) is left out: 120 ms a layer"]
 
 
 def test_status_before_a_mesh_forms():
     st = build_status(model="m", state="forming", detail="waiting for 2 peers", pool=1)
     assert st["stages"] == [] and st["hops"] == [] and st["scheduler"] is None and st["chain"] is None
+    assert st["placement"] is None and st["predicted_tok_per_s"] is None
     text = format_status(st)
     assert text.splitlines() == ["model m  state forming (waiting for 2 peers)  pool 1"]
 

@@ -14,7 +14,9 @@ Shape (every key always present; unknown figures are null):
      "hops": [{"from", "to", "transport": "tcp"|"ws"|"webrtc"|null}],
      "scheduler": {"active", "queued", "max_seqs", "steps", "tokens_out", "prompt_tokens", "in_flight",
                    "micro_batches", "ms_per_step"} | null,
-     "predicted_tok_per_s": float | null}
+     "predicted_tok_per_s": float | null,
+     "placement": {"policy", "predicted_decode_tok_per_s", "predicted_prefill_tok_per_s",
+                   "measured_decode_tok_per_s", "left_out": [str], "note"} | null}
 """
 from __future__ import annotations
 
@@ -82,12 +84,12 @@ def _num(x: float | None, digits: int) -> float | None:
 
 def build_status(*, model: str, state: str, detail: str = "", chain: str | None = None, pool: int = 0,
                  stages: Sequence[Mapping[str, Any]] = (), hops: Sequence[Mapping[str, Any]] = (),
-                 figures: Sequence[StageFigures | None] = (), scheduler: Any = None,
-                 predicted_tok_per_s: float | None = None,
+                 figures: Sequence[StageFigures | None] = (), scheduler: Any = None, placement: Any = None,
                  predicted_ms: Sequence[float | None] = ()) -> dict:
     """The status dict. `stages` are in chain order, each {"name", "host", "device", "layers", "memory_mb",
     "local"}; `figures[k]` and `predicted_ms[k]` belong to `stages[k]` (shorter sequences: unknown); `scheduler` is
-    the scheduler's stats (mesh/scheduler.py SchedulerStats) or None before one runs."""
+    the scheduler's stats (mesh/scheduler.py SchedulerStats) or None before one runs; `placement` what the planner
+    decided (mesh/planner.py Placement: policy, predicted decode and prefill tok/s, peers left out) or None."""
     out_stages = []
     # Where the stages did not report (hub mode), the scheduler's per-stage times stand in: it times each stage's
     # reply there (SchedulerStats.stage_ms, one per remote stage in chain order).
@@ -116,7 +118,15 @@ def build_status(*, model: str, state: str, detail: str = "", chain: str | None 
     return {
         "object": "mesh.status", "model": model, "state": state, "detail": detail, "chain": chain, "pool": int(pool),
         "stages": out_stages, "hops": out_hops, "scheduler": scheduler_dict(scheduler),
-        "predicted_tok_per_s": _num(predicted_tok_per_s, 1),
+        "predicted_tok_per_s": _num(getattr(placement, "predicted_decode_tok_s", None), 1),
+        "placement": None if placement is None else {
+            "policy": getattr(placement, "policy", None),
+            "predicted_decode_tok_per_s": _num(getattr(placement, "predicted_decode_tok_s", None), 1),
+            "predicted_prefill_tok_per_s": _num(getattr(placement, "predicted_prefill_tok_s", None), 1),
+            "measured_decode_tok_per_s": _num(getattr(placement, "measured_decode_tok_s", None), 1),
+            "left_out": [str(line) for line in getattr(placement, "left_out", ())],
+            "note": str(getattr(placement, "note", "") or ""),
+        },
     }
 
 
@@ -205,13 +215,12 @@ async def snapshot(service: Any, history: StageHistory) -> dict:
         history.forget_except(keys)
         figures = ([None] if local else []) + [history.figures(k, c) for k, c in zip(keys, counters)]
     scheduler = getattr(service, "scheduler", None)
-    prediction = getattr(fleet, "prediction", None)
     return build_status(
         model=str(getattr(service, "model_id", "") or cfg.model.name), state=str(getattr(service, "state", "")),
         detail=str(getattr(service, "detail", "") or ""), chain=cfg.chain if fleet is not None else None,
         pool=len(pooled), stages=stages, hops=hops, figures=figures,
         scheduler=scheduler.stats() if scheduler is not None else None,
-        predicted_tok_per_s=getattr(prediction, "decode_tok_s", None))
+        placement=getattr(fleet, "placement", None))
 
 
 def routes(service: Any) -> list:
@@ -246,8 +255,17 @@ def format_status(st: Mapping[str, Any]) -> str:
                      f"{_cell(sched.get('queued'))} queued; {_cell(sched.get('steps'))} steps, "
                      f"{_cell(sched.get('tokens_out'))} tokens out"
                      + (f", {sched['ms_per_step']:.1f} ms a step" if sched.get("ms_per_step") is not None else ""))
-    if st.get("predicted_tok_per_s") is not None:
-        lines.append(f"planner predicts {st['predicted_tok_per_s']:.1f} tok/s")
+    pl = st.get("placement")
+    if pl:
+        said = [f"placement {pl.get('policy') or '-'}"]
+        if pl.get("predicted_decode_tok_per_s") is not None:
+            said.append(f"predicts {pl['predicted_decode_tok_per_s']:.1f} tok/s decode")
+        if pl.get("predicted_prefill_tok_per_s") is not None:
+            said.append(f"{pl['predicted_prefill_tok_per_s']:.0f} tok/s prefill")
+        if pl.get("measured_decode_tok_per_s") is not None:
+            said.append(f"measured {pl['measured_decode_tok_per_s']:.1f} tok/s decode")
+        lines.append(", ".join(said) + (f" ({pl['note']})" if pl.get("note") else ""))
+        lines += [f"left out: {line}" for line in pl.get("left_out") or ()]
     stages = st.get("stages") or []
     if stages:
         rows = [["#", "name", "device", "layers", "memory", "ms/step", "tok/s", "busy"]]

@@ -230,6 +230,11 @@ function renderStatus(st) {
     parts.push(`planner: ${fmt(st.predicted_tok_per_s, 1)} tok/s`);
   }
   summary.appendChild(document.createTextNode(parts.length ? " · " + parts.join(" · ") : ""));
+  for (const line of (st.placement && st.placement.left_out) || []) {
+    const div = document.createElement("div");
+    div.textContent = line;                     // a peer the planner left out, with its figures
+    summary.appendChild(div);
+  }
   summary.dataset.active = s ? String(s.active) : "";
 
   const body = $("stages").querySelector("tbody");
