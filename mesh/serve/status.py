@@ -7,10 +7,10 @@ async function here; `routes` serves it as GET /v1/mesh); drawing them is the pa
 `format_status`'s (`mesh-coord status`).
 
 Shape (every key always present; unknown figures are null):
-    {"object": "mesh.status", "model": str, "state": "waiting"|"forming"|"serving"|"failed", "detail": str,
+    {"object": "mesh.status", "model": str, "state": the service's ("forming"|"serving"|"re-forming"|"stopped"), "detail": str,
      "chain": "p2p"|"hub"|null, "pool": int,
      "stages": [{"name", "host", "device", "layers": [start, end], "memory_mb", "local": bool,
-                 "ms_per_step", "tok_per_s", "busy", "steps", "predicted_ms_per_step"}],
+                 "ms_per_step", "tok_per_s", "busy", "steps"}],
      "hops": [{"from", "to", "transport": "tcp"|"ws"|"webrtc"|null}],
      "scheduler": {"active", "queued", "max_seqs", "steps", "tokens_out", "prompt_tokens", "in_flight",
                    "micro_batches", "ms_per_step"} | null,
@@ -84,10 +84,9 @@ def _num(x: float | None, digits: int) -> float | None:
 
 def build_status(*, model: str, state: str, detail: str = "", chain: str | None = None, pool: int = 0,
                  stages: Sequence[Mapping[str, Any]] = (), hops: Sequence[Mapping[str, Any]] = (),
-                 figures: Sequence[StageFigures | None] = (), scheduler: Any = None, placement: Any = None,
-                 predicted_ms: Sequence[float | None] = ()) -> dict:
+                 figures: Sequence[StageFigures | None] = (), scheduler: Any = None, placement: Any = None) -> dict:
     """The status dict. `stages` are in chain order, each {"name", "host", "device", "layers", "memory_mb",
-    "local"}; `figures[k]` and `predicted_ms[k]` belong to `stages[k]` (shorter sequences: unknown); `scheduler` is
+    "local"}; `figures[k]` belongs to `stages[k]` (a shorter sequence: unknown); `scheduler` is
     the scheduler's stats (mesh/scheduler.py SchedulerStats) or None before one runs; `placement` what the planner
     decided (mesh/planner.py Placement: policy, predicted decode and prefill tok/s, peers left out) or None."""
     out_stages = []
@@ -107,7 +106,6 @@ def build_status(*, model: str, state: str, detail: str = "", chain: str | None 
             "memory_mb": int(s["memory_mb"]) if s.get("memory_mb") else None, "local": bool(s.get("local")),
             "ms_per_step": _num(f.ms_per_step if f else None, 2), "tok_per_s": _num(f.tok_per_s if f else None, 1),
             "busy": _num(f.busy if f else None, 3), "steps": f.steps if f else None,
-            "predicted_ms_per_step": _num(predicted_ms[k] if k < len(predicted_ms) else None, 2),
         })
     out_hops = []
     for h in hops:
@@ -269,9 +267,6 @@ def format_status(st: Mapping[str, Any]) -> str:
     stages = st.get("stages") or []
     if stages:
         rows = [["#", "name", "device", "layers", "memory", "ms/step", "tok/s", "busy"]]
-        predicted = any(s.get("predicted_ms_per_step") is not None for s in stages)
-        if predicted:
-            rows[0].append("predicted ms")
         for k, s in enumerate(stages):
             layers = s.get("layers")
             row = [str(k + 1), s.get("name") or "-", s.get("device") or "-",
@@ -279,8 +274,6 @@ def format_status(st: Mapping[str, Any]) -> str:
                    _cell(s.get("memory_mb"), "{} MB"), _cell(s.get("ms_per_step"), "{:.1f}"),
                    _cell(s.get("tok_per_s"), "{:.1f}"),
                    "-" if s.get("busy") is None else f"{100 * s['busy']:.0f}%"]
-            if predicted:
-                row.append(_cell(s.get("predicted_ms_per_step"), "{:.1f}"))
             rows.append(row)
         lines += _table(rows)
     hops = st.get("hops") or []

@@ -247,9 +247,7 @@ function renderStatus(st) {
     cell(row, m ? m[1] : stage.name, "", m ? m[2] : stage.host || "");
     cell(row, stage.device || "–", "", stage.memory_mb ? `${(stage.memory_mb / 1024).toFixed(1)} GB` : "");
     cell(row, stage.layers ? `${stage.layers[0]}..${stage.layers[1]}` : "–");
-    cell(row, fmt(stage.ms_per_step, 1), "num",
-         stage.predicted_ms_per_step !== null && stage.predicted_ms_per_step !== undefined
-           ? `plan ${fmt(stage.predicted_ms_per_step, 1)}` : "");
+    cell(row, fmt(stage.ms_per_step, 1), "num");
     cell(row, fmt(stage.tok_per_s, 1), "num",
          stage.busy !== null && stage.busy !== undefined ? `${Math.round(100 * stage.busy)}% busy` : "");
     body.appendChild(row);
