@@ -192,6 +192,7 @@ $("toggle-status").addEventListener("click", () => {
   const panel = $("status");
   panel.hidden = !panel.hidden;
   $("toggle-status").setAttribute("aria-expanded", String(!panel.hidden));
+  if (!panel.hidden) pollStatus();
 });
 
 // ---- status ---------------------------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ let statusTimer = null;
 async function pollStatus() {
   clearTimeout(statusTimer);
   try {
-    if (!document.hidden) {
+    if (!document.hidden && !$("status").hidden) {   // nobody looks: no request (each one asks every stage)
       const response = await api("/v1/mesh");
       if (!response.ok) throw new Error(await errorText(response));
       renderStatus(await response.json());
