@@ -25,8 +25,10 @@ def model(tmp_path_factory):
     return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_layers=4)
 
 
-async def test_a_live_mesh_reports_its_stages_and_hops(model):
-    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=2, settle=0.2, warmup=0)
+async def run_mesh(model, chain: str, between=None) -> tuple[dict, dict, list[int]]:
+    """Form a 2-peer mesh, take a status snapshot, generate 24 tokens (`between` runs alongside, e.g. more
+    snapshots), take another. Returns both snapshots and the tokens."""
+    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=2, settle=0.2, warmup=0, chain=chain)
     coord = Coordinator(cfg)
     with trio.fail_after(240):            # worker processes compile their steps; a loaded box is slow
         async with trio.open_nursery() as nursery:
@@ -42,11 +44,19 @@ async def test_a_live_mesh_reports_its_stages_and_hops(model):
                 history = StageHistory(min_gap=0.0)
                 before = await snapshot(service, history)
                 ids = coord.encode("hello there", template="auto")
-                await generate(pipe, ids, max_tokens=24, sampling=Sampling(), eos_ids=frozenset())
+                async with trio.open_nursery() as side:
+                    if between is not None:
+                        side.start_soon(between, service, history)
+                    result = await generate(pipe, ids, max_tokens=24, sampling=Sampling(), eos_ids=frozenset())
+                    side.cancel_scope.cancel()
                 await trio.sleep(0.05)                    # a rate needs the clock to move between two readings
                 after = await snapshot(service, history)
             nursery.cancel_scope.cancel()
+    return before, after, result.tokens
 
+
+async def test_a_live_mesh_reports_its_stages_and_hops(model):
+    before, after, _ = await run_mesh(model, "p2p")
     assert before["state"] == "serving" and before["chain"] == "p2p" and before["model"] == "tiny"
     stages = after["stages"]
     assert sorted((s["memory_mb"], s["layers"][1] - s["layers"][0]) for s in stages) == [(1000, 1), (3000, 3)]
@@ -60,3 +70,21 @@ async def test_a_live_mesh_reports_its_stages_and_hops(model):
     assert before["stages"][0]["steps"] == 0 and before["stages"][0]["ms_per_step"] is None
     text = format_status(after)
     assert f"{stages[0]['layers'][0]}..{stages[0]['layers'][1]}" in text and "coordinator (sink) tcp" in text
+
+
+async def test_status_requests_while_a_hub_chain_answers_leave_its_answer_alone(model):
+    """In hub mode the control links carry the steps: the status view must not read them (a stolen Hidden would
+    fail the answer). Snapshots taken all through the answer; the tokens equal the p2p chain's."""
+    taken = []
+
+    async def keep_looking(service, history):
+        while True:
+            taken.append(await snapshot(service, history))
+            await trio.sleep(0)
+
+    _, hub, hub_tokens = await run_mesh(model, "hub", keep_looking)
+    _, _, p2p_tokens = await run_mesh(model, "p2p")
+    assert hub_tokens == p2p_tokens and len(taken) > 3
+    assert hub["chain"] == "hub"
+    assert [(h["from"], h["transport"]) for h in hub["hops"]] == [("coordinator", "tcp"), ("coordinator", "tcp")]
+    assert all(s["ms_per_step"] is None for s in hub["stages"])     # no scheduler here to time them
