@@ -25,10 +25,11 @@ def model(tmp_path_factory):
     return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_layers=4)
 
 
-async def run_mesh(model, chain: str, between=None) -> tuple[dict, dict, list[int]]:
+async def run_mesh(model, chain: str, between=None, webrtc_hops=()) -> tuple[dict, dict, list[int]]:
     """Form a 2-peer mesh, take a status snapshot, generate 24 tokens (`between` runs alongside, e.g. more
     snapshots), take another. Returns both snapshots and the tokens."""
-    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=2, settle=0.2, warmup=0, chain=chain)
+    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=2, settle=0.2, warmup=0, chain=chain,
+                      webrtc_hops=webrtc_hops)
     coord = Coordinator(cfg)
     with trio.fail_after(240):            # worker processes compile their steps; a loaded box is slow
         async with trio.open_nursery() as nursery:
@@ -74,7 +75,8 @@ async def test_a_live_mesh_reports_its_stages_and_hops(model):
 
 async def test_status_requests_while_a_hub_chain_answers_leave_its_answer_alone(model):
     """In hub mode the control links carry the steps: the status view must not read them (a stolen Hidden would
-    fail the answer). Snapshots taken all through the answer; the tokens equal the p2p chain's."""
+    fail the answer). Snapshots taken all through the answer; the tokens equal a p2p chain's, whose middle hop is
+    forced onto WebRTC (so the view names that transport too)."""
     taken = []
 
     async def keep_looking(service, history):
@@ -83,8 +85,9 @@ async def test_status_requests_while_a_hub_chain_answers_leave_its_answer_alone(
             await trio.sleep(0)
 
     _, hub, hub_tokens = await run_mesh(model, "hub", keep_looking)
-    _, _, p2p_tokens = await run_mesh(model, "p2p")
+    _, rtc, p2p_tokens = await run_mesh(model, "p2p", webrtc_hops=(1,))
     assert hub_tokens == p2p_tokens and len(taken) > 3
+    assert [h["transport"] for h in rtc["hops"]] == ["tcp", "webrtc", "tcp"]
     assert hub["chain"] == "hub"
     assert [(h["from"], h["transport"]) for h in hub["hops"]] == [("coordinator", "tcp"), ("coordinator", "tcp")]
     assert all(s["ms_per_step"] is None for s in hub["stages"])     # no scheduler here to time them
