@@ -473,6 +473,8 @@ def status_parser() -> argparse.ArgumentParser:
                    help="where mesh-coord serves HTTP (default 127.0.0.1:8080), or a http(s):// URL")
     p.add_argument("--api-key", help=f"the server's API key (default: ${API_KEY_ENV})")
     p.add_argument("--json", action="store_true", help="print the status JSON as the server sent it")
+    p.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
+                   help="print it again every SECONDS until Ctrl-C (with --json: one object a line)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after (default 10)")
     return p
 
@@ -491,7 +493,14 @@ def status_main(argv: list[str]) -> None:
                                             for s in st.get("stages", [])):
         time.sleep(1.0)
         st = _get_status(base, key, args.timeout)
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    print(json.dumps(st, indent=None if args.watch else 2) if args.json else format_status(st), flush=True)
+    while args.watch:
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        st = _get_status(base, key, args.timeout)
+        print(json.dumps(st) if args.json else f"\n{time.strftime('%H:%M:%S')}\n{format_status(st)}", flush=True)
 
 
 def _get_status(base: str, key: str | None, timeout: float) -> dict:

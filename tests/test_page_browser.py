@@ -150,6 +150,16 @@ def test_mesh_coord_status_prints_the_same_in_a_terminal(server):
     row = next(line for line in lines if line.startswith("1 "))
     assert "0..2" in row and "CPU" in row
     assert lines[-1].startswith("hops: coordinator -> peer 1 (127.0.0.1) tcp")
+    watched = subprocess.Popen(cmd + ["--api-key", KEY, "--watch", "0.2", "--json"], cwd=ROOT, env=child_env(),
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(watched.stdout.readline())            # with --watch, --json is one object a line
+        again = json.loads(watched.stdout.readline())
+    finally:
+        watched.kill()
+        watched.communicate()
+    assert first["object"] == "mesh.status"
+    assert again["object"] == "mesh.status" and again["stages"][0]["layers"] == [0, 2]
     refused = subprocess.run(cmd, cwd=ROOT, env=child_env(MESH_API_KEY=""), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.startswith(f"mesh-coord status: http://127.0.0.1:{server.port}/v1/mesh: 401 no API key")
