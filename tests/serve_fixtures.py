@@ -33,6 +33,8 @@ class LiveServer:
         self._error: BaseException | None = None
         self._token = None
         self._cancel = None
+        self.peer_scopes: list[trio.CancelScope] = []
+        self._nursery = None
         self._thread = threading.Thread(target=self._thread_main, daemon=True)
 
     @property
@@ -82,14 +84,30 @@ class LiveServer:
             await coord.serve_registry(nursery)
             self.port = await nursery.start(serve_http, build_app(self.service), "127.0.0.1", 0)
             nursery.start_soon(self.service.run)
-            for k, layers in enumerate(self.peers):
-                nursery.start_soon(self.peer(k, layers).run)
+            self._nursery = nursery
+            for layers in self.peers:
+                self.add_peer(layers)
             if self.wait_formed:
                 with trio.fail_after(240):
                     await self.service.wait_state(lambda s: s.state == "serving")
             self._ready.set()
 
-    def peer(self, k: int, layers) -> Peer:
+    def add_peer(self, layers=None) -> int:
+        """Start one more in-process peer (call on the server's loop: `srv.call(srv.add_peer)`); returns its index."""
+        scope = trio.CancelScope()
+        self.peer_scopes.append(scope)
+
+        async def run() -> None:
+            with scope:
+                await self.peer(layers).run()
+        self._nursery.start_soon(run)
+        return len(self.peer_scopes) - 1
+
+    def stop_peer(self, k: int) -> None:
+        """Take peer k away (its links close, as when a machine leaves)."""
+        self.peer_scopes[k].cancel()
+
+    def peer(self, layers) -> Peer:
         pinned = layers if layers and layers[1] is not None else None
         return Peer(PeerConfig(join=f"127.0.0.1:{self.reg}",
                                token=TOKEN, listen="127.0.0.1:0", model=self.model, layers=pinned, warmup=0,
