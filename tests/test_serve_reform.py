@@ -12,6 +12,7 @@ from tests.serve_fixtures import LiveServer
 from tests.mesh_fixtures import write_tiny_chat_model
 from tests.test_serve_api import MODEL_ID, chat_reference
 
+pytestmark = pytest.mark.slow       # in-process peers re-form several times, each loading its worker: 25-40 s a test on 2 loaded cores
 N_LAYERS = 2
 
 
@@ -46,3 +47,58 @@ def test_peers_come_and_go_and_the_answers_stay_the_same(model):
         srv.call(srv.stop_peer, 0)              # one leaves: the survivor takes every layer
         assert _wait_session(srv, 3) == 1
         assert _answer(srv) == expected
+
+
+def test_an_answer_survives_a_peer_that_leaves_mid_stream(model, monkeypatch):
+    """A stage leaves while an answer streams: the service re-forms on the survivor, repeats the request there and
+    sends only what the client has not seen; the client gets exactly the unsharded engine's text, once."""
+    import threading
+
+    import mesh.serve.service as service_mod
+    from tests.mesh_fixtures import unsharded_tokens
+    from tests.test_serve_api import text_of
+
+    expected = text_of(model, unsharded_tokens(model, N_LAYERS, "Once upon a time", 60))
+    gate = {"armed": False, "left": 8, "reached": trio.Event(), "open": trio.Event()}
+
+    class Gated(service_mod.Scheduler):
+        """Holds the 8th step's answer of the armed request until the test has taken a peer away, so the failure
+        lands mid-answer whatever the machine's speed."""
+        def __init__(self, pipe, **kw):
+            super().__init__(pipe, **kw)
+            collect = pipe.collect
+
+            async def gated(group):
+                if gate["armed"]:
+                    gate["left"] -= 1
+                    if gate["left"] == 0:
+                        gate["armed"] = False
+                        gate["reached"].set()
+                        await gate["open"].wait()
+                return await collect(group)
+            pipe.collect = gated
+    monkeypatch.setattr(service_mod, "Scheduler", Gated)
+    with LiveServer(model, peers=((0, None), (0, None))) as srv:
+        assert len(srv.service.session.members) == 2
+        srv.call(gate.__setitem__, "armed", True)
+        got: list[str] = []
+
+        def client() -> None:
+            with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+                for ch in c.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=60,
+                                               temperature=0, stream=True):
+                    got.append(ch.choices[0].text)
+        reader = threading.Thread(target=client)
+        reader.start()
+
+        async def wait_reached() -> None:
+            with trio.fail_after(120):
+                await gate["reached"].wait()
+        srv.run(wait_reached)
+        srv.call(srv.stop_peer, 1)
+        srv.call(gate["open"].set)
+        reader.join(180)
+        assert not reader.is_alive()
+        assert srv.service.repeated == 1 and srv.service.sessions == 2
+        assert len(srv.service.session.members) == 1
+    assert "".join(got) == expected

@@ -29,6 +29,7 @@ from engine.tokenizer import StreamDecoder
 from mesh.errors import MeshError, single_errors
 from mesh.scheduler import QueueFull, Request as SeqRequest
 from mesh.serve.app import ApiError
+from mesh.serve.service import NoMesh
 
 MAX_STOPS = 4                  # as OpenAI: up to 4 stop strings
 RETRY_AFTER_BUSY = "1"         # seconds a client waits after a full queue
@@ -289,14 +290,13 @@ class _Api:
             raise _bad(param, f"the prompt has {len(ids)} tokens and the context holds {limit}, with at least one "
                               f"left for the answer: shorten the prompt by {len(ids) - limit + 1} tokens or more",
                        code="context_length_exceeded")
-        sched = svc.scheduler
-        if sched is None:
-            raise ApiError(503, f"no mesh is formed yet ({svc.state}): waiting for peers to join",
-                           type="server_error", code="no_mesh", headers={"Retry-After": RETRY_AFTER_NO_MESH})
         max_tokens = min(common.max_tokens or limit, limit - len(ids))
         req = SeqRequest(tuple(ids), max_tokens, common.sampling, svc.stop_ids)
         try:
-            return sched.open(req)
+            return svc.open(req)
+        except NoMesh as exc:
+            raise ApiError(503, str(exc), type="server_error", code="no_mesh",
+                           headers={"Retry-After": RETRY_AFTER_NO_MESH}) from None
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy: {exc}; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": RETRY_AFTER_BUSY}) from None

@@ -30,6 +30,77 @@ log = logging.getLogger("mesh.serve")
 REJOIN_SECONDS = 15.0     # how long a re-form waits for the members of the last session to re-join
 RETRY_SECONDS = 5.0       # after a fleet that would not form (a refused peer, a failed load), try again this much later
 IDLE_POLL = 0.5           # while newcomers wait for the scheduler to go idle, look this often
+REFORM_WAIT = 30.0        # an answer whose mesh failed waits this long for the next one before it fails
+ANSWER_RETRIES = 3        # ... and is repeated at most this many times
+
+
+class NoMesh(MeshError):
+    """No session is serving (the first fleet has not formed, or a re-form is under way)."""
+
+
+class Answer:
+    """One request's tokens, surviving a re-form: if the mesh fails under its Generation, the same request runs again
+    on the next session and the tokens already delivered are skipped. They are the same tokens: greedy and seeded
+    sampling are deterministic and any split of the model gives bitwise the same answer (NOTES "Mesh"), as the chat
+    relies on when it repeats a turn. `async with answer: async for tok in answer: ...`, like a Generation."""
+
+    def __init__(self, service: "Service", req, sched: Scheduler, gen):
+        self.service, self.request, self.scheduler, self.gen = service, req, sched, gen
+        self.delivered = 0
+        self.retries = 0
+        self._skip = 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.gen.finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.gen.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return max(self.gen.completion_tokens, self.delivered)
+
+    async def __aenter__(self) -> "Answer":
+        await self.gen.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.gen.__aexit__(*exc)
+
+    def __aiter__(self) -> "Answer":
+        return self
+
+    async def __anext__(self) -> int:
+        while True:
+            try:
+                tok = await self.gen.__anext__()
+            except MeshError as exc:
+                await self._again(exc)
+                continue
+            if self._skip:
+                self._skip -= 1
+                continue
+            self.delivered += 1
+            return tok
+
+    async def _again(self, exc: MeshError) -> None:
+        """Wait for the next session (bounded) and open the request there; else raise the failure."""
+        if self.retries >= ANSWER_RETRIES:
+            raise exc
+        self.retries += 1
+        log.info("an answer lost its mesh after %d tokens (%s); repeating it on the next one", self.delivered, exc)
+        with trio.move_on_after(REFORM_WAIT):
+            await self.service.wait_state(lambda s: s.scheduler is not None and s.scheduler is not self.scheduler)
+        sched = self.service.scheduler
+        if sched is None or sched is self.scheduler:
+            raise exc
+        gen = sched.open(self.request)          # QueueFull / a MeshError: the answer fails with it
+        await self.gen.__aexit__(None, None, None)
+        self.scheduler, self.gen, self._skip = sched, gen, self.delivered
+        self.service.repeated += 1
+        await gen.__aenter__()
 
 
 def stop_ids(tokenizer) -> frozenset[int]:
@@ -53,7 +124,16 @@ class Service:
         self.scheduler: Scheduler | None = None
         self.state = "forming"
         self.sessions = 0              # how many sessions have served (a test or a status view can watch it)
+        self.repeated = 0              # answers repeated on a re-formed mesh after theirs failed
         self._changed = trio.Event()
+
+    def open(self, req) -> Answer:
+        """Admit a request now: NoMesh while no session serves, else the scheduler's QueueFull / ValueError."""
+        sched = self.scheduler
+        if sched is None:
+            raise NoMesh(f"no mesh is formed yet ({self.state}): waiting for peers to join" if not self.sessions else
+                         f"the mesh is re-forming ({self.state})")
+        return Answer(self, req, sched, sched.open(req))
 
     async def wait_state(self, predicate) -> None:
         """Wait until predicate(self) holds (tests and status views: 'serving', the next session, ...)."""
