@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
-from engine.stage import Sampling
+from common.values import Sampling
 from mesh.errors import MeshError, SessionError
 from mesh.pipeline import Pipeline, generate
 

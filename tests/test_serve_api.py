@@ -228,8 +228,9 @@ def test_an_unknown_model_is_404(client):
 @pytest.mark.parametrize("body, param", [
     ({"temperature": 5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
+    ({"top_k": 2 ** 40}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 1.5}, "max_completion_tokens"),
     ({"seed": "x"}, "seed"),

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ChatError, render_prompt
-from engine.stage import Sampling
+from common.values import Sampling
 from engine.tokenizer import StreamDecoder
 from mesh.errors import MeshError, single_errors
 from mesh.scheduler import QueueFull, Request as SeqRequest
@@ -102,15 +102,13 @@ def _int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     return value
 
 
-def _num(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def _num(body: dict, key: str, lo: float, hi: float) -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    ok = type(value) in (int, float) and math.isfinite(value) and (value > lo if lo_open else value >= lo) \
-        and value <= hi
-    if not ok:
-        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise _bad(key, f"{key} must be a number in {span}, got {json.dumps(value)[:80]}", code="invalid_value")
+    if not (type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi):
+        raise _bad(key, f"{key} must be a number in [{lo:g}, {hi:g}], got {json.dumps(value)[:80]}",
+                   code="invalid_value")
     return float(value)
 
 
@@ -147,7 +145,7 @@ def _common(body: dict, *, max_keys: tuple[str, ...]) -> _Common:
     for key in max_keys:
         max_tokens = _int(body, key, 1) if max_tokens is None else max_tokens
     temperature = _num(body, "temperature", 0.0, 2.0)
-    top_p = _num(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_p = _num(body, "top_p", 0.0, 1.0)          # 0 keeps only the most likely token (common.values)
     top_k = _int(body, "top_k", 0)
     seed = body.get("seed")
     if seed is not None and type(seed) is not int:
@@ -155,8 +153,12 @@ def _common(body: dict, *, max_keys: tuple[str, ...]) -> _Common:
     temperature = 1.0 if temperature is None else temperature      # OpenAI's default
     if seed is None:     # without a seed each request draws differently, as OpenAI's do; with one it repeats
         seed = secrets.randbits(63)
-    sampling = Sampling(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
-                        seed=seed & ((1 << 64) - 1))
+    try:
+        sampling = Sampling(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+                            seed=seed & ((1 << 64) - 1))
+    except ValueError as exc:           # a bound of the wire's value types (common.values), e.g. a huge top_k
+        field = next((f for f in ("top_k", "top_p", "temperature", "seed") if f in str(exc)), None)
+        raise _bad(field, str(exc), code="invalid_value") from None
     return _Common(stream, bool(options.get("include_usage")), max_tokens, sampling, _stops(body))
 
 
