@@ -276,6 +276,7 @@ def coord_main(argv: list[str] | None = None) -> None:
     cfg = CoordConfig(model=Path(model), listen=args.listen, token=token, min_peers=args.min_peers,
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
+                      n_slots=max(args.max_seqs, CoordConfig.n_slots),     # the local stage's (--layers) KV slots
                       warmup=args.warmup, ice=ice)
     _run("mesh-coord", _run_coord, cfg, args)
 

@@ -270,6 +270,11 @@ async def _unless_disconnected(request: Request, work):
     return result[0]
 
 
+async def _encode(tok, text: str) -> list[int]:
+    """Tokenize off the loop: a prompt of megabytes takes a while, and other streams must not stall meanwhile."""
+    return await trio.to_thread.run_sync(tok.encode, text)
+
+
 # ---- endpoints -----------------------------------------------------------------------------------------------
 class _Api:
     def __init__(self, service):
@@ -327,7 +332,7 @@ class _Api:
                                  history=[{"role": r, "content": c} for r, c in turns[:-1]])
         except ChatError as exc:
             raise _bad("messages", str(exc), code="invalid_value") from None
-        gen = self._open(tok.encode(text), common, "messages")
+        gen = self._open(await _encode(tok, text), common, "messages")
         return await self._answer(request, gen, common, chat=True)
 
     async def completions(self, request: Request):
@@ -342,7 +347,7 @@ class _Api:
             prompt = prompt[0]
         tok = self.service.coord.tokenizer
         if isinstance(prompt, str) and prompt:
-            ids = tok.encode(prompt)
+            ids = await _encode(tok, prompt)
         elif isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < tok.vocab_size for t in prompt):
             ids = list(prompt)
         else:
