@@ -1,9 +1,15 @@
-"""Where a decode step's GPU time goes: one step of a whole model run without the jit under tinygrad's DEBUG=2 (each
-kernel timed on the device, synchronized), summed per kernel kind, with GB/s of the matvecs' weight bytes.
+"""Where a decode step's time goes, on a GPU: the jitted step taken apart, then each kernel's GPU time.
 
-    DEV=CUDA python3 bench/decode_profile.py --model m.gguf [--pos 16]
+    DEV=CUDA python3 bench/decode_profile.py --model m.gguf [--pos 16] [--kernels]
 
-The sum is GPU time alone: a jitted step adds its launch gaps on top (compare with engine_bench's step time).
+1. The jitted decode step as `Stage.step` runs it (median of --steps), and its parts timed one after another:
+   host inputs (embedding row, rope tables, three raw copies in), the jit call until it returns (graph parameter
+   updates and launches: host time), the wait for the GPU, the logits copied out, the token picked. Then the jit
+   called back to back without waiting: per call that is max(host launch time, GPU time), so if it is close to
+   the call's own host time the step is bound by the host, not the GPU.
+2. With --kernels: one step without the jit under tinygrad's DEBUG=2 (each kernel timed on the device,
+   synchronized), summed per kernel kind, with GB/s of the matvecs' weight bytes. Every kernel's time there
+   includes ~10-20 us of launch latency: read the ranking and the count, not the sum.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import argparse
 import contextlib
 import io
 import re
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -33,26 +40,76 @@ def kind(name: str) -> tuple[str, int]:
     return f"mv_{m.group(1)} {rows}x{nb}b", rows * nb * GGML_QUANT_SIZES[Q[m.group(1).upper()]][1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--pos", type=int, default=16, help="tokens in the cache before the profiled step")
-    a = ap.parse_args()
+def jit_parts(stage, pos: int, steps: int) -> None:
+    """The decode step's parts, each timed (ms, medians over `steps`)."""
+    import numpy as np
+    from tinygrad import Device
+    from engine.loader import write_into
+    from engine.model import rope_inputs
+    from engine.sampling import Sampling, pick_token
+    from engine.stage import Column, _copy_out
+    dev = Device[Device.DEFAULT]
+    walls = []
+    for i in range(steps):
+        t = time.perf_counter()
+        stage.step([Column(pos + i, 0, True, 7 + i)])
+        walls.append(time.perf_counter() - t)
+    pos += steps
+    shape = next(k for k in stage._jits if k[0] == 1 and len(k[1]) == 1)
+    fn, inputs = stage._jits[shape], stage._inputs[shape]
+    from tinygrad.uop.ops import Ops
+    calls = fn.captured.linear.src
+    graphs = sum(c.src[0].op is Ops.CUSTOM_FUNCTION and c.src[0].arg == "graph" for c in calls)
+    parts = defaultdict(list)
+    for i in range(steps):
+        p = pos + i
+        binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(p)]
+        if shape[2] != -1:
+            from tinygrad import UOp
+            binds.append(UOp.variable("pick0", 0, 0).bind(0))
+        t0 = time.perf_counter()
+        x = stage._embed.lookup(np.array([5 + i]))
+        cos, sin = rope_inputs(stage.meta, np.array([p]))
+        for t, a in zip(inputs, (x, cos, sin)):
+            write_into(t, a)
+        t1 = time.perf_counter()
+        result = fn(*inputs, *binds)
+        t2 = time.perf_counter()
+        dev.synchronize()
+        t3 = time.perf_counter()
+        out = _copy_out(result)
+        t4 = time.perf_counter()
+        pick_token(out[0], Sampling(), p)
+        t5 = time.perf_counter()
+        for k, v in (("inputs", t1 - t0), ("jit call returns", t2 - t1), ("wait for the GPU", t3 - t2),
+                     ("logits out", t4 - t3), ("pick", t5 - t4), ("sum", t5 - t0)):
+            parts[k].append(v * 1e3)
+    binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(pos)]
+    dev.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn(*inputs, *binds)
+    dev.synchronize()
+    b2b = (time.perf_counter() - t) / steps * 1e3
+    print(f"jitted decode step at position {pos}: Stage.step median {statistics.median(walls) * 1e3:.3f} ms "
+          f"({1 / statistics.median(walls):.1f} tok/s), {len(calls)} calls of which {graphs} graphs; "
+          f"the parts, medians of {steps}:")
+    for k, v in parts.items():
+        print(f"  {k:18s} {statistics.median(v):8.3f} ms")
+    print(f"  jit back to back   {b2b:8.3f} ms a call (max of host launch and GPU time)")
+
+
+def kernels(stage, pos: int) -> None:
     from tinygrad import Device
     from tinygrad.helpers import Context
-    from engine.gguf_meta import read_gguf
-    from engine.stage import Column, Stage
-    g = read_gguf(a.model)
-    layers = next(int(v) for k, v in g.kv.items() if k.endswith(".block_count"))
-    t0 = time.perf_counter()
-    stage = Stage.load(a.model, 0, layers, n_slots=1, max_context=max(64, a.pos + 8), jit=False)
-    print(f"load {time.perf_counter() - t0:.1f} s", flush=True)
-    stage.step([Column(i, 0, i == a.pos - 1, 1 + i) for i in range(a.pos)])
-    stage.step([Column(a.pos, 0, True, 7)])  # compiles the decode step's kernels
+    from engine.stage import Column
+    stage._use_jit = False
+    stage._replays.clear()  # else the captured step replays
+    stage.step([Column(pos, 0, True, 7)])  # compiles the unjitted step's kernels
     Device[Device.DEFAULT].synchronize()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), Context(DEBUG=2):
-        stage.step([Column(a.pos + 1, 0, True, 9)])
+        stage.step([Column(pos + 1, 0, True, 9)])
     per, count, nbytes = defaultdict(float), defaultdict(int), {}
     for line in ANSI.sub("", buf.getvalue()).splitlines():
         if (m := LINE.search(line)):
@@ -60,11 +117,33 @@ def main() -> None:
             per[k] += float(m.group(2)) * UNITS[m.group(3)]
             count[k] += 1
     total = sum(per.values())
-    print(f"one decode step at position {a.pos + 1}: {sum(count.values())} kernels, {total * 1e3:.3f} ms of GPU time")
+    print(f"one decode step at position {pos + 1}, no jit: {sum(count.values())} kernels, {total * 1e3:.3f} ms of GPU time")
     for k, s in sorted(per.items(), key=lambda kv: -kv[1]):
         bw = f"{nbytes[k] * count[k] / s / 1e9:6.0f} GB/s" if nbytes[k] else ""
         print(f"  {k:44s} x{count[k]:4d} {s * 1e3:8.3f} ms {100 * s / total:5.1f}%  "
               f"{s / count[k] * 1e6:8.1f} us each {bw}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--pos", type=int, default=16, help="tokens in the cache before the profiled steps")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true", help="also each kernel's GPU time, one step without the jit")
+    a = ap.parse_args()
+    from tinygrad import Device
+    from engine.gguf_meta import read_gguf
+    from engine.stage import Column, Stage
+    g = read_gguf(a.model)
+    layers = next(int(v) for k, v in g.kv.items() if k.endswith(".block_count"))
+    t0 = time.perf_counter()
+    stage = Stage.load(a.model, 0, layers, n_slots=1, max_context=max(256, a.pos + 3 * a.steps + 8))
+    print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
+    stage.warmup()
+    stage.step([Column(i, 0, i == a.pos - 1, 1 + i) for i in range(a.pos)])
+    jit_parts(stage, a.pos, a.steps)
+    if a.kernels:
+        kernels(stage, stage.slot_length(0))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@
 #   bench/h200_synth.sh four   a fresh machine: ncu counters of the gate_up matvec (Q8_0, Q4_0), the GPU kernel
 #                              tests on CUDA, the sweep fused as the engine fuses, the engine on $ENGINE1
 #                              ("file[@layout] ...", layout "cast" = MESH_GPU_CVT=cast)
+#   bench/h200_synth.sh ab     a fresh machine: A/B of decode-step changes on the 8B files (see the phase), and
+#                              llama.cpp built in the background: follow with `two` on the warm machine
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -31,13 +33,13 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four or final}
+phase=${1:?one, two, three, four, ab or final}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
 left() { echo $((${BUDGET:-560} - ($(date +%s) - T0))); }
 M=/tmp/m; mkdir -p $M
-FILES="1.1b-Q8_0 1.1b-Q4_0 8b-Q8_0 8b-Q4_0"
+FILES=${FILES:-"1.1b-Q8_0 1.1b-Q4_0 8b-Q8_0 8b-Q4_0"}
 
 if [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -147,6 +149,34 @@ four)  # a fresh machine after a kernel change: hardware counters of two matvecs
   while [ ! -f $M/.8b ]; do sleep 2; done
   for spec in ${ENGINE1:-8b-Q8_0 8b-Q4_0 1.1b-Q8_0 1.1b-Q4_0}; do engine ${spec%%@*} engine.txt ${spec#*@}; done
   echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+ab)  # a fresh machine, A/B of decode-step changes on the 8B shape: llama.cpp built in the background (for `two`),
+  # the 8B files written, tinygrad's NV backend tried, the GPU tests on CUDA, then bench/decode_profile.py (the jitted
+  # step taken apart) for each "DEV@MESH_FUSE_GLU[@k]" of $AB4 on 8b-Q4_0 and of $AB8 on 8b-Q8_0 (k: per-kernel times)
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 15 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j10 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in 8b-Q4_0 8b-Q8_0; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  echo "== NV smoke"; DEV=NV timeout 90 python3 -c 'from tinygrad import Device, Tensor; print(Device.DEFAULT, (Tensor([1., 2., 3.]) * 2).tolist())' 2>&1 | tail -3 | tee "$OUT/nv.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    2>&1 | grep -v "Warning\|warn" | tail -4 | tee "$OUT/pytest_cuda.txt"
+  for pair in "8b-Q4_0:${AB4:-CUDA@0@k CUDA@1@k NV@1}" "8b-Q8_0:${AB8:-CUDA@1 NV@1}"; do
+    f=${pair%%:*}
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    for spec in ${pair#*:}; do
+      IFS=@ read -r dev glu k <<< "$spec"
+      lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $f $spec: no time"; continue; }; [ "$lim" -gt 200 ] && lim=200
+      echo "== profile $f DEV=$dev MESH_FUSE_GLU=$glu (limit ${lim}s)"
+      DEV=$dev MESH_FUSE_GLU=$glu timeout $lim python3 bench/decode_profile.py --model $M/$f.gguf ${k:+--kernels} 2>&1 \
+        | grep -v Warning | tee -a "$OUT/profile.txt"
+    done
+  done
+  llamabench
+  echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log)"
   ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done

@@ -9,6 +9,7 @@ sits in: a split model produces bit-identical activations to the unsharded one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,18 @@ class Group:
     n: int
     slot: UOp  # bound variable
     pos: UOp  # bound variable
+
+
+def fuse_glu(device: str | tuple) -> bool:
+    """Whether ffn_down takes [gate | up] and computes silu(gate) * up inside its kernel. On GPUs: the matvec
+    computes each x once per thread block (16 rows), and a decode step there costs its kernels' launches (the 8B
+    shape: 417 kernels, ~6 us a launch gap), so one kernel a layer fewer pays. Not on the CPU: its matvec would
+    compute silu again for every group of 16 rows (exp2 is a polynomial there: 3M of them per SmolLM2 token, 2x
+    slower), and the prefill GEMM does it before its loop anyway. MESH_FUSE_GLU=0/1 overrides (A/B runs)."""
+    env = os.environ.get("MESH_FUSE_GLU")
+    if env is not None:
+        return env != "0"
+    return not str(device[0] if isinstance(device, tuple) else device).startswith("CPU")
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -111,9 +124,10 @@ class Block:
         if "ffn_gate_up.weight" in self.w:  # one matmul for gate and up
             gu = self._lin(x, "ffn_gate_up", norm=norm)
             F = gu.shape[1] // 2
-            # silu(gate) * up stays its own kernel: inside ffn_down's kernel it would be recomputed for every group
-            # of 16 rows (exp2 is a polynomial on CPU: 3M of them per SmolLM2 token, 2x slower in all)
-            ff = self._lin(gu[:, :F].silu() * gu[:, F:], "ffn_down", residual=x)
+            if fuse_glu(gu.device):  # silu(gate) * up inside ffn_down's kernel: one kernel a layer fewer
+                ff = self._lin(gu, "ffn_down", glu=True, residual=x)
+            else:
+                ff = self._lin(gu[:, :F].silu() * gu[:, F:], "ffn_down", residual=x)
         else:
             h = rms_norm(x, *norm)
             ff = self._lin(self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up"), "ffn_down", residual=x)

@@ -69,3 +69,28 @@ def test_gpu_matvec_layouts_on_the_python_device(layout, monkeypatch):
     monkeypatch.setenv("MESH_GPU_MV", layout)
     check("Q8_0", 32, 512, 1, "norm")
     check("Q4_1", 16, 256, 2, "plain")
+
+
+def test_stage_with_glu_inside_ffn_down_matches_the_separate_kernel(tmp_path, monkeypatch):
+    """GPUs compute silu(gate) * up inside ffn_down's kernel (engine.model.fuse_glu); forced on and off here on the
+    process's default device (CPU; CUDA with DEV=CUDA), a prompt and the decode steps after it give the logits of
+    the separate kernel to float rounding, and each layer runs one kernel fewer."""
+    from engine.model import fuse_glu
+    from engine.stage import Column, Stage
+    from tests.tiny_gguf import write_tiny_gguf
+    from tinygrad.helpers import GlobalCounters
+    assert fuse_glu("CUDA") and fuse_glu("METAL") and not fuse_glu("CPU") and not fuse_glu(("CPU",))
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=64, ffn_dim=128, vocab_size=256, qtype="Q8_0")
+    logits, kernels = {}, {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("MESH_FUSE_GLU", fused)
+        s = Stage.load(p, 0, 2, n_slots=1, max_context=64, jit=False)
+        prompt = [Column(i, 0, i == 4, t) for i, t in enumerate([3, 17, 42, 7, 99])]
+        out = [s.step_logits(prompt)] + [s.step_logits([Column(5 + i, 0, True, 11 * i + 1)]) for i in range(3)]
+        logits[fused] = np.concatenate(out)
+        before = GlobalCounters.kernel_count
+        s.step_logits([Column(8, 0, True, 5)])
+        kernels[fused] = GlobalCounters.kernel_count - before
+    want = logits["0"]
+    np.testing.assert_allclose(logits["1"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert kernels["1"] == kernels["0"] - 2  # one a layer
