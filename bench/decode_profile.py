@@ -7,7 +7,11 @@
    updates and launches: host time), the wait for the GPU, the logits copied out, the token picked. Then the jit
    called back to back without waiting: per call that is max(host launch time, GPU time), so if it is close to
    the call's own host time the step is bound by the host, not the GPU.
-2. With --kernels: one step without the jit under tinygrad's DEBUG=2 (each kernel timed on the device,
+2. With --ncu (under `ncu --profile-from-start off --metrics gpu__time_duration.sum --csv`): only --steps jitted
+   decode steps are profiled (cuProfilerStart/Stop around them); `--summarize CSV` then sums ncu's kernel durations
+   per kernel kind and step: true GPU times, no launch latency, so the sum against the back-to-back time is the
+   cost of the gaps between kernels.
+3. With --kernels: one step without the jit under tinygrad's DEBUG=2 (each kernel timed on the device,
    synchronized), summed per kernel kind, with GB/s of the matvecs' weight bytes. Every kernel's time there
    includes ~10-20 us of launch latency: read the ranking and the count, not the sum.
 """
@@ -104,7 +108,8 @@ def kernels(stage, pos: int) -> None:
     from tinygrad.helpers import Context
     from engine.stage import Column
     stage._use_jit = False
-    stage._replays.clear()  # else the captured step replays
+    stage._jits.clear()  # else the captured step runs
+    stage._replays.clear()
     stage.step([Column(pos, 0, True, 7)])  # compiles the unjitted step's kernels
     Device[Device.DEFAULT].synchronize()
     buf = io.StringIO()
@@ -124,13 +129,38 @@ def kernels(stage, pos: int) -> None:
               f"{s / count[k] * 1e6:8.1f} us each {bw}")
 
 
+def summarize(csv_path: str, steps: int) -> None:
+    """ncu's CSV (one gpu__time_duration row per kernel) summed per kernel kind, per decode step."""
+    import csv
+    per, count, nbytes = defaultdict(float), defaultdict(int), {}
+    scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+    with open(csv_path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        k, nbytes[k] = kind(row["Kernel Name"].split("(")[0].strip())
+        per[k] += float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]
+        count[k] += 1
+    total = sum(per.values()) / steps
+    print(f"ncu: {sum(count.values()) / steps:.0f} kernels a decode step, {total * 1e3:.3f} ms of kernel time a step")
+    for k, s in sorted(per.items(), key=lambda kv: -kv[1]):
+        bw = f"{nbytes[k] * count[k] / s / 1e9:6.0f} GB/s" if nbytes[k] else ""
+        print(f"  {k:44s} x{count[k] / steps:5.0f} {s / steps * 1e3:8.3f} ms {100 * s / steps / total:5.1f}%  "
+              f"{s / count[k] * 1e6:8.2f} us each {bw}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--pos", type=int, default=16, help="tokens in the cache before the profiled steps")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", action="store_true", help="also each kernel's GPU time, one step without the jit")
+    ap.add_argument("--ncu", action="store_true", help="profile only --steps decode steps (cuProfilerStart/Stop)")
+    ap.add_argument("--summarize", metavar="CSV", help="sum an ncu CSV of --ncu per kernel kind, then exit")
     a = ap.parse_args()
+    if a.summarize:
+        return summarize(a.summarize, a.steps)
     from tinygrad import Device
     from engine.gguf_meta import read_gguf
     from engine.stage import Column, Stage
@@ -141,6 +171,18 @@ def main() -> None:
     print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
     stage.warmup()
     stage.step([Column(i, 0, i == a.pos - 1, 1 + i) for i in range(a.pos)])
+    if a.ncu:
+        import ctypes
+        cu = ctypes.CDLL("libcuda.so.1")
+        for i in range(3):
+            stage.step([Column(a.pos + i, 0, True, 7)])
+        Device[Device.DEFAULT].synchronize()
+        cu.cuProfilerStart()
+        for i in range(a.steps):
+            stage.step([Column(a.pos + 3 + i, 0, True, 7)])
+        Device[Device.DEFAULT].synchronize()
+        cu.cuProfilerStop()
+        return
     jit_parts(stage, a.pos, a.steps)
     if a.kernels:
         kernels(stage, stage.slot_length(0))

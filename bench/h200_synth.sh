@@ -16,6 +16,7 @@
 #                              ("file[@layout] ...", layout "cast" = MESH_GPU_CVT=cast)
 #   bench/h200_synth.sh ab     a fresh machine: A/B of decode-step changes on the 8B files (see the phase), and
 #                              llama.cpp built in the background: follow with `two` on the warm machine
+#   bench/h200_synth.sh prof   a fresh machine: decode steps profiled on the 8B files (decode_profile.py, ncu)
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -177,6 +178,30 @@ ab)  # a fresh machine, A/B of decode-step changes on the 8B shape: llama.cpp bu
   done
   llamabench
   echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log)"
+  ;;
+prof)  # a fresh machine, where a decode step's GPU time goes: for each file of $PFILES and each MESH_FUSE_GLU of
+  # $GLUS, bench/decode_profile.py --kernels (the jitted step taken apart, then each kernel unjitted), then ncu's
+  # kernel durations of 3 jitted decode steps summed per kernel kind (--ncu, --summarize)
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    for glu in ${GLUS:-0 1}; do
+      lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $f $glu: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+      echo "== profile $f MESH_FUSE_GLU=$glu (limit ${lim}s)"
+      DEV=CUDA MESH_FUSE_GLU=$glu timeout $lim python3 bench/decode_profile.py --model $M/$f.gguf --kernels 2>&1 \
+        | grep -v Warning | tee -a "$OUT/profile.txt"
+    done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip ncu $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== ncu $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      python3 bench/decode_profile.py --model $M/$f.gguf --ncu --steps 3 > "$OUT/ncu_$f.csv" 2>&1
+    python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_$f.csv" --steps 3 2>&1 | tee -a "$OUT/profile.txt"
+  done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done
