@@ -133,7 +133,7 @@ def summarize(csv_path: str, steps: int) -> None:
     """ncu's CSV (one gpu__time_duration row per kernel) summed per kernel kind, per decode step."""
     import csv
     per, count, nbytes = defaultdict(float), defaultdict(int), {}
-    scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+    scale = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0, "s": 1.0}
     with open(csv_path) as f:
         lines = [ln for ln in f if ln.startswith('"')]
     for row in csv.DictReader(lines):

@@ -17,6 +17,7 @@
 #   bench/h200_synth.sh ab     a fresh machine: A/B of decode-step changes on the 8B files (see the phase), and
 #                              llama.cpp built in the background: follow with `two` on the warm machine
 #   bench/h200_synth.sh prof   a fresh machine: decode steps profiled on the 8B files (decode_profile.py, ncu)
+#   bench/h200_synth.sh variants  a fresh machine: decode-step variants side by side (bench/decode_ab.py)
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -200,6 +201,23 @@ prof)  # a fresh machine, where a decode step's GPU time goes: for each file of 
     DEV=CUDA timeout $lim $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
       python3 bench/decode_profile.py --model $M/$f.gguf --ncu --steps 3 > "$OUT/ncu_$f.csv" 2>&1
     python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_$f.csv" --steps 3 2>&1 | tee -a "$OUT/profile.txt"
+  done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+variants)  # a fresh machine: bench/decode_ab.py on each file of $PFILES with the variants of $VARIANTS
+  # ("name=KEY=VALUE;KEY=VALUE name2=..."), all captured in one process per file and timed in interleaved rounds
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA MESH_GPU_MV_SMALL=8,512 timeout 100 python3 -m pytest -q -p no:cacheprovider -W ignore \
+    tests/test_matvec_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -3 | tee "$OUT/pytest_cuda.txt"
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip $f: no time"; continue; }; [ "$lim" -gt 280 ] && lim=280
+    echo "== decode_ab $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf $(for v in $VARIANTS; do echo "--variant $v"; done) \
+      --rounds ${ROUNDS:-3} --steps ${STEPS:-20} 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

@@ -68,10 +68,16 @@ FAST = {  # ggml type -> (quant as float, offsets folded)
 }
 
 
-def gpu_layout(nb: int, width: int) -> tuple[int, int, int]:
+SMALL_ROWS = 8192  # matrices of at most this many rows (an 8B layer's q/k/v, o, down) may take their own layout
+
+
+def gpu_layout(nb: int, width: int, rows: int = 0) -> tuple[int, int, int]:
     """(TW, P, BU): TW threads share each sub-block's `width` values, P blocks side by side, BU blocks a thread reads
-    per loop step (BU * P divides nb), at most THREADS threads a block. MESH_GPU_MV="TW,THREADS[,BU]" overrides."""
+    per loop step (BU * P divides nb), at most THREADS threads a block. MESH_GPU_MV="TW,THREADS[,BU]" overrides;
+    MESH_GPU_MV_SMALL the same for matrices of at most SMALL_ROWS rows (few thread blocks: A/B runs)."""
     env = os.environ.get("MESH_GPU_MV", "")
+    if 0 < rows <= SMALL_ROWS and "," in os.environ.get("MESH_GPU_MV_SMALL", ""):
+        env = os.environ["MESH_GPU_MV_SMALL"]
     tw, most, bu = (int(v) for v in (env.split(",") + ["1"])[:3]) if "," in env else (TW, THREADS, 1)
     tw = max(d for d in range(1, width + 1) if width % d == 0 and d <= tw)
     bu = max(d for d in range(1, bu + 1) if nb % d == 0)
@@ -89,7 +95,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         G, nb, _, il = halfs.shape
         W = spec.width
         N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
-        TW, P, BU = gpu_layout(nb, W)
+        TW, P, BU = gpu_layout(nb, W, G * il)
         J = W // TW
         norm_w = extra[0] if fused.norm is not None else None
         res = extra[-1] if fused.residual else None
