@@ -5,12 +5,13 @@ built (MESH_GPU_MV, MESH_GPU_MV_SMALL, MESH_FUSE_GLU, JIT_BATCH_SIZE...) compare
     DEV=CUDA python3 bench/decode_ab.py --model m.gguf --variant base= --variant small512=MESH_GPU_MV_SMALL=8,512 \
         --variant jb8=JIT_BATCH_SIZE=8 [--rounds 3 --steps 20]
 
-A variant is NAME=KEY=VALUE[;KEY=VALUE...] (an empty setting list: the defaults). Each variant's decode step is
-captured once (its own jit, input buffers and kernels) after a 16-token prompt; then each round times --steps
-`Stage.step` calls of every variant in turn, continuing the same sequence (the KV cache is shared, so every
-variant attends over the same, growing context). Prints each variant's median step per round and overall, its
-tokens/s, and the largest difference of its logits to the first variant's at one more position, which each variant
-computes in turn (layouts change float sums, so a small difference is expected, a large one is a bug).
+A variant is NAME=KEY=VALUE[;KEY=VALUE...] (an empty setting list: the defaults). Slot i holds a context of
+--positions[i] tokens; each variant's decode step is captured once (its own jit, input buffers and kernels); then
+each round times --steps decode steps of every variant in turn at each context length, every step rewriting the
+same position (a step may start below a slot's length), so every variant is timed on the same contexts. Prints
+each variant's median step per context length (overall and per round), its tokens/s, and the largest difference
+of its logits to the first variant's at one position (layouts change float sums, so a small difference is
+expected, a large one is a bug).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--positions", default="32,512", help="context lengths the steps are timed at (a slot each)")
     a = ap.parse_args()
     os.environ["MESH_PROGRAM_CACHE"] = "0"  # step templates on disk are keyed once per process: build each anew
     import numpy as np
@@ -61,41 +63,45 @@ def main() -> None:
     defaults = {k: (os.environ.get(k), ContextVar._cache[k].value if k in ContextVar._cache else None) for k in keys}
     g = read_gguf(a.model)
     layers = next(int(v) for k, v in g.kv.items() if k.endswith(".block_count"))
+    positions = [int(p) for p in a.positions.split(",")]
     t0 = time.perf_counter()
-    stage = Stage.load(a.model, 0, layers, n_slots=1, max_context=64 + len(variants) * (a.rounds * a.steps + 2) + 16)
+    stage = Stage.load(a.model, 0, layers, n_slots=len(positions), max_context=max(positions) + 16)
     print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
-    stage.step([Column(i, 0, i == 15, 1 + i) for i in range(16)])
-    pos, state, logits = 16, {}, {}
+    for slot, p in enumerate(positions):  # slot i holds a context of positions[i] tokens
+        stage.step([Column(i, slot, i == p - 1, 1 + i % 1000) for i in range(p)])
+    state, logits = {}, {}
     for name, settings in variants.items():  # each variant's decode shape captured (and run once)
         apply(settings, defaults)
         stage._jits, stage._inputs, stage._replays = {}, {}, {}
         t = time.perf_counter()
-        stage.step_logits([Column(pos, 0, True, 7)])
-        pos += 1
+        stage.step_logits([Column(positions[0], 0, True, 7)])
         print(f"variant {name} {settings or '(defaults)'}: captured in {time.perf_counter() - t:.1f} s", flush=True)
         state[name] = (stage._jits, stage._inputs, stage._replays)
-    times: dict[str, list[list[float]]] = {n: [] for n in variants}
+    # every step rewrites the same position of its slot (a step may start below a slot's length), so each variant
+    # is timed at the same context lengths
+    times: dict[tuple[str, int], list[float]] = {(n, p): [] for n in variants for p in positions}
     for r in range(a.rounds):
         for name in variants:
             stage._jits, stage._inputs, stage._replays = state[name]
-            ts = []
-            for i in range(a.steps):
-                t = time.perf_counter()
-                stage.step_logits([Column(pos, 0, True, 7 + i)])
-                ts.append(time.perf_counter() - t)
-                pos += 1
-            times[name].append(ts)
+            for slot, p in enumerate(positions):
+                for i in range(a.steps):
+                    t = time.perf_counter()
+                    stage.step_logits([Column(p, slot, True, 7 + i)])
+                    times[(name, p)].append(time.perf_counter() - t)
         Device[Device.DEFAULT].synchronize()
-    for name in variants:  # the same position and token for every variant (each rewrites it)
+    for name in variants:  # the same position and token for every variant
         stage._jits, stage._inputs, stage._replays = state[name]
-        logits[name] = stage.step_logits([Column(pos, 0, True, 5)])
+        logits[name] = stage.step_logits([Column(positions[0], 0, True, 5)])
     first = next(iter(variants))
-    for name, rounds in times.items():
-        meds = [statistics.median(ts) * 1e3 for ts in rounds]
-        allm = statistics.median([x for ts in rounds for x in ts]) * 1e3
+    for name in variants:
         diff = float(np.abs(logits[name] - logits[first]).max()) if name != first else 0.0
-        print(f"{name:12s} median step {allm:7.3f} ms ({1e3 / allm:6.1f} tok/s); rounds "
-              + " ".join(f"{m:.3f}" for m in meds) + f"; logits vs {first}: max |diff| {diff:.3g}")
+        cells = []
+        for p in positions:
+            ts = times[(name, p)]
+            m = statistics.median(ts) * 1e3
+            per_round = [statistics.median(ts[r * a.steps:(r + 1) * a.steps]) * 1e3 for r in range(a.rounds)]
+            cells.append(f"at {p}: {m:7.3f} ms ({1e3 / m:6.1f} tok/s; rounds " + " ".join(f"{x:.3f}" for x in per_round) + ")")
+        print(f"{name:10s} " + "; ".join(cells) + f"; logits vs {first}: max |diff| {diff:.3g}")
 
 
 if __name__ == "__main__":
