@@ -200,12 +200,25 @@ class _Cursor:
         return out
 
     def _skip_strings(self, key: str, count: int) -> StringArray:
-        buf, pos, end, length = self.buf, self.pos, self.end, _U64.unpack_from
-        for i in range(count):
-            n = length(buf, pos)[0] if pos + 8 <= end else end
-            pos += 8 + n
-            if pos > end:
-                raise self.fail(f"truncated header (key {key!r}: item {i} of {count} runs past the file's end)")
+        # Each length word is read through one of 8 uint64 views of the buffer, the one starting at the word's
+        # offset mod 8: an index into a memoryview instead of a struct call, 5x faster (2.5 against 12.8 ms for
+        # SmolLM2's 49k tokens; the fixed cost of every stage's load). A length word past the end is an IndexError.
+        pos, end = self.pos, self.end
+        mv = memoryview(self.buf)
+        views = [mv[k:k + (end - k) // 8 * 8].cast("Q") for k in range(min(8, end))]
+        try:
+            for i in range(count):
+                pos += 8 + views[pos & 7][pos >> 3]
+                if pos > end:
+                    break
+        except IndexError:
+            pos = end + 1
+        finally:
+            for v in views:
+                v.release()
+            mv.release()
+        if pos > end:
+            raise self.fail(f"truncated header (key {key!r}: an item of the {count} runs past the file's end)")
         self.pos = pos
         return StringArray(count)
 
@@ -229,10 +242,13 @@ def _mapped(path: Path) -> Iterator[mmap.mmap | bytes]:
             yield m
 
 
+_QUANT_SIZES = {int(t): v for t, v in GGML_QUANT_SIZES.items()}  # by plain int: no enum lookup per tensor
+
+
 def _tensor_nbytes(r: _Cursor, name: str, ne: tuple[int, ...], ggml_type: int) -> int:
     try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
+        block, size = _QUANT_SIZES[ggml_type]
+    except KeyError:
         raise r.fail(f"tensor {name!r}: unknown ggml type {ggml_type}") from None
     n = 1
     for d in ne:
@@ -313,10 +329,11 @@ _SAMPLE = 4096  # bytes hashed from each end of every tensor for the fingerprint
 def _fingerprint(buf: mmap.mmap | bytes, h: _Header) -> str:
     # Identity: the header (metadata + tensor table) and a sample of every tensor's bytes. The header alone
     # cannot tell two fine-tunes of one architecture apart; the samples can, for a few KiB read per tensor.
-    sha = hashlib.sha256(buf[: h.header_end])
-    for t in h.tensors.values():
-        for at in sorted({t.offset, max(t.offset, t.offset + t.nbytes - _SAMPLE)}):
-            sha.update(buf[at : at + min(_SAMPLE, t.nbytes)])
+    with memoryview(buf) as mv:  # slices of a memoryview: hashed in place, not copied
+        sha = hashlib.sha256(mv[: h.header_end])
+        for t in h.tensors.values():
+            for at in sorted({t.offset, max(t.offset, t.offset + t.nbytes - _SAMPLE)}):
+                sha.update(mv[at : at + min(_SAMPLE, t.nbytes)])
     return sha.hexdigest()
 
 
