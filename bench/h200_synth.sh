@@ -18,6 +18,7 @@
 #                              llama.cpp built in the background: follow with `two` on the warm machine
 #   bench/h200_synth.sh prof   a fresh machine: decode steps profiled on the 8B files (decode_profile.py, ncu)
 #   bench/h200_synth.sh variants  a fresh machine: decode-step variants side by side (bench/decode_ab.py)
+#   bench/h200_synth.sh depth  a fresh machine: engine and llama.cpp at contexts 0-64 and 512 (see the phase)
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -218,6 +219,36 @@ variants)  # a fresh machine: bench/decode_ab.py on each file of $PFILES with th
     echo "== decode_ab $f (limit ${lim}s)"
     DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf $(for v in $VARIANTS; do echo "--variant $v"; done) \
       --rounds ${ROUNDS:-3} --steps ${STEPS:-20} 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+depth)  # a fresh machine, side by side at two context lengths: llama.cpp built first (nothing else heavy runs
+  # beside the timed runs), llama-bench tg64 from an empty context and after 512 tokens (-d 0,512), the engine bench
+  # (decode at positions 16-80), and bench/decode_ab.py's decode step at contexts 32 and 512, on each of $PFILES
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+  tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j16 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    2>&1 | grep -v "Warning\|warn" | tail -3 | tee "$OUT/pytest_cuda.txt"
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done
+  echo "llama.cpp build: rc $(cat /tmp/lc.rc 2>/dev/null), $(( $(date +%s) - T0 )) s"
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    [ "$(cat /tmp/lc.rc 2>/dev/null)" = 0 ] && [ "$(left)" -gt 60 ] && { echo "== llama-bench $f"; timeout 100 \
+      /tmp/lc/b/bin/llama-bench -m $M/$f.gguf -p 0 -n 64 -d 0,512 -ngl 99 -r 5 2>&1 | grep -v "^ggml_\|^load\|^llama_" \
+      | tee -a "$OUT/llama_bench.txt"; }
+  done
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    engine $f engine.txt
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== decode_ab $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --variant base= --rounds 2 --steps 20 \
+      --positions 32,512 2>&1 | grep -v "Warning\|^variant" | tee -a "$OUT/ab.txt"
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
