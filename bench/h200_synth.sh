@@ -19,6 +19,7 @@
 #   bench/h200_synth.sh prof   a fresh machine: decode steps profiled on the 8B files (decode_profile.py, ncu)
 #   bench/h200_synth.sh variants  a fresh machine: decode-step variants side by side (bench/decode_ab.py)
 #   bench/h200_synth.sh depth  a fresh machine: engine and llama.cpp at contexts 0-64 and 512 (see the phase)
+#   bench/h200_synth.sh engine-depth  a fresh machine: the engine alone at contexts 16-80, 32 and 512, tests on CUDA
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -36,7 +37,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab or final}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth or final}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -244,6 +245,24 @@ depth)  # a fresh machine, side by side at two context lengths: llama.cpp built 
       | tee -a "$OUT/llama_bench.txt"; }
   done
   for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    engine $f engine.txt
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== decode_ab $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --variant base= --rounds 2 --steps 20 \
+      --positions 32,512 2>&1 | grep -v "Warning\|^variant" | tee -a "$OUT/ab.txt"
+  done
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+engine-depth)  # a fresh machine, the engine alone (no llama.cpp: take its figures from a `depth` run): the tests
+  # of $TESTS on CUDA, then the engine bench and bench/decode_ab.py at contexts 32 and 512 on each of $PFILES
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; git log -1 --format=%H 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore ${TESTS:-tests/test_matvec_gpu.py} \
+    2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
+  for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
     engine $f engine.txt
     lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
     echo "== decode_ab $f (limit ${lim}s)"
