@@ -19,13 +19,13 @@ are never visible as long as the rollback is at most `slack` positions (Stage.ro
 """
 from __future__ import annotations
 
-from tinygrad import Tensor
+from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
 from .errors import EngineError
 from .gguf_meta import ModelMeta
 from .loader import Weight, rms_norm
-from .model import Block, Group
+from .model import Block, Group, KVPages
 
 # the most columns one step writes into one slot of a local layer: the prefill chunk sizes (engine/stage.py
 # PREFILL_BUCKETS) must not exceed it. The ring of a local layer is sliding_window + RING_SLACK positions.
@@ -35,7 +35,7 @@ RING_SLACK = 64
 class Gemma3Block(Block):
     def __init__(self, w: dict[str, Weight], *, meta: ModelMeta, layer: int, n_heads: int, n_kv_heads: int,
                  head_dim: int, rope_dim: int, norm_eps: float, n_slots: int, max_context: int,
-                 kv_dtype: DType) -> None:
+                 kv_dtype: DType, pages: KVPages) -> None:
         # the layer's kind, from its absolute index: plain attributes, so layers of one kind share compiled kernels
         self.sliding_window = meta.sliding_window if meta.is_sliding(layer) else 0
         self.rope_table = 1 if self.sliding_window else 0  # engine/model.py rope_inputs: 1 is the local base
@@ -44,10 +44,12 @@ class Gemma3Block(Block):
         # context of at most window + slack positions is a ring that never wraps
         self.ring = min(max_context, self.sliding_window + RING_SLACK) if 0 < self.sliding_window < max_context else 0
         self.wraps = 0 < self.ring < max_context  # positions overwrite older ones: steps and rollbacks are bounded
+        # a ring keeps its own per-slot layout (the step writes it with a `where` over the ring); a global layer,
+        # or a local one whose window covers the context, takes the stage's paged pools like any other model's
         super().__init__(w, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dim=rope_dim,
-                         norm_eps=norm_eps, n_slots=n_slots, max_context=self.ring or max_context, kv_dtype=kv_dtype)
+                         norm_eps=norm_eps, n_slots=n_slots, max_context=max_context, kv_dtype=kv_dtype, pages=pages)
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Group]) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Group], ctx: UOp) -> Tensor:
         N = x.shape[0]
         H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
         half = self.rope_dim // 2
@@ -72,7 +74,7 @@ class Gemma3Block(Block):
         if self.ring:
             attn = self._ring_attention(q, k, v, groups)
         else:  # a global layer, or a local one whose window covers the whole context
-            attn = self._attention(q, k, v, groups, 1.0)
+            attn = self._attention(q, k, v, groups, ctx, 1.0)
 
         # the post-norms sit between each sublayer and its residual add, so the add stays out of the matmul
         a = self._lin(attn, "attn_output")

@@ -1,8 +1,9 @@
-"""The stage model: a contiguous slice of a llama-family transformer, with per-slot KV caches.
+"""The stage model: a contiguous slice of a llama-family transformer, with a paged KV cache.
 
 A step runs N columns (tokens) through the blocks. Columns come in groups; a group is one slot's run of
 consecutive positions (prefill: one group of many columns; batched decode: many groups of one column). The
-linear layers see all N columns at once; attention runs per group against that group's slot.
+linear layers see all N columns at once, and so does attention: one set of kernels reads every column's own
+sequence from the layer's block pools through the stage's block table (engine/paged_attention.py).
 
 Every block's output is realized on its own, so the kernels of a layer are the same whatever range the layer
 sits in: a split model produces bit-identical activations to the unsharded one.
@@ -17,6 +18,7 @@ from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
 from .loader import Weight, device_zeros, rms_norm, zero_rows
+from .paged_attention import Run, paged_attention, write_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +63,21 @@ def rope_inputs(meta: ModelMeta, positions: np.ndarray) -> tuple[np.ndarray, np.
     return np.concatenate([cos, cos_l], axis=1), np.concatenate([sin, sin_l], axis=1)
 
 
+@dataclass(frozen=True)
+class KVPages:
+    """A stage's paged KV layout, shared by its layers: `n_blocks` blocks of `block_size` positions per layer (plus
+    the trash block, index n_blocks) and the int32 block table (n_slots, blocks per sequence) on the device."""
+    n_blocks: int
+    block_size: int
+    table: Tensor
+
+
 def make_block(meta: ModelMeta, layer: int, w: dict[str, Weight], *, n_slots: int, max_context: int,
-               kv_dtype: DType) -> "Block":
+               kv_dtype: DType, pages: KVPages) -> "Block":
     """The block of absolute layer `layer`: its kind (class, local or global attention) follows from the index
     alone, so any split of the model runs each layer the same way."""
     common = dict(n_heads=meta.n_heads, n_kv_heads=meta.n_kv_heads, head_dim=meta.head_dim, rope_dim=meta.rope_dim,
-                  norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context, kv_dtype=kv_dtype)
+                  norm_eps=meta.norm_eps, n_slots=n_slots, max_context=max_context, kv_dtype=kv_dtype, pages=pages)
     if meta.arch == "gemma3":
         from .gemma3 import Gemma3Block
         return Gemma3Block(w, meta=meta, layer=layer, **common)
@@ -74,14 +85,27 @@ def make_block(meta: ModelMeta, layer: int, w: dict[str, Weight], *, n_slots: in
 
 
 class Block:
+    ring = 0  # Gemma 3's local layers keep a ring per slot instead of pages (engine/gemma3.py)
+
     def __init__(self, w: dict[str, Weight], *, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int,
-                 norm_eps: float, n_slots: int, max_context: int, kv_dtype: DType) -> None:
+                 norm_eps: float, n_slots: int, max_context: int, kv_dtype: DType, pages: KVPages) -> None:
         self.w = w
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim = n_heads, n_kv_heads, head_dim, rope_dim
         self.eps = norm_eps
-        shape = (n_slots, n_kv_heads, max_context, head_dim)
+        self.max_context = max_context
         # zeroed without a kernel to schedule; on the CPU their pages stay untouched until a step writes them
-        self.cache_k, self.cache_v = device_zeros(shape, kv_dtype), device_zeros(shape, kv_dtype)
+        if self.ring:
+            shape = (n_slots, n_kv_heads, self.ring, head_dim)
+            self.cache_k, self.cache_v = device_zeros(shape, kv_dtype), device_zeros(shape, kv_dtype)
+        else:  # the pools: row = block * block_size + position % block_size, the trash block last
+            self.block_size = pages.block_size
+            shape = ((pages.n_blocks + 1) * pages.block_size, n_kv_heads * head_dim)
+            self.pool_k, self.pool_v = device_zeros(shape, kv_dtype), device_zeros(shape, kv_dtype)
+            self.kv_table = pages.table  # the stage's, one tensor for every layer
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(t.nbytes() for t in ((self.cache_k, self.cache_v) if self.ring else (self.pool_k, self.pool_v)))
 
     def _lin(self, x: Tensor, name: str, **fused) -> Tensor:
         y = self.w[name + ".weight"].matmul_t(x, **fused)
@@ -96,7 +120,7 @@ class Block:
             return rope(x, cos, sin)
         return rope(x[..., :self.rope_dim], cos, sin).cat(x[..., self.rope_dim:], dim=-1)
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Group]) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Group], ctx: UOp) -> Tensor:
         N = x.shape[0]
         H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
         norm = self._norm("attn_norm.weight")  # applied inside the q/k/v matmul
@@ -114,7 +138,7 @@ class Block:
             q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        attn = self._attention(q, k, v, groups, 1.0 / Hd ** 0.5)  # (N, H*Hd)
+        attn = self._attention(q, k, v, groups, ctx, 1.0 / Hd ** 0.5)  # (N, H*Hd)
 
         x = self._lin(attn, "attn_output", residual=x)
         norm = self._norm("ffn_norm.weight")
@@ -130,42 +154,33 @@ class Block:
             ff = self._lin(self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up"), "ffn_down", residual=x)
         return ff.contiguous().realize()
 
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, groups: list[Group], scale: float) -> Tensor:
-        """Write each group's k/v (N, KvH, Hd) into its slot's cache, attend with q (N, H, Hd) over the slot's
-        positions so far; returns (N, H*Hd)."""
-        H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = q.contiguous().realize()  # k and v go straight from the qkv rows into the cache writes
-
-        # write every group's keys/values first: a later group of the same step may attend to them
-        writes = []
-        for g in groups:
-            dst = (slice(g.slot, g.slot + 1), slice(None), slice(g.pos, g.pos + g.n))
-            kg = k[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_k.dtype)
-            vg = v[g.col:g.col + g.n].permute(1, 0, 2).reshape(1, KvH, g.n, Hd).cast(self.cache_v.dtype)
-            writes += [self.cache_k[dst].assign(kg), self.cache_v[dst].assign(vg)]
-        Tensor.realize(*writes)
-
-        outs = []
-        for g in groups:
-            L = g.pos + g.n
-            keys = self.cache_k[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
-            vals = self.cache_v[g.slot:g.slot + 1, :, 0:L].reshape(KvH, 1, L, Hd).float()
-            qg = q[g.col:g.col + g.n].reshape(g.n, KvH, H // KvH, Hd).permute(1, 2, 0, 3)  # (KvH, G, n, Hd)
-            att = (qg @ keys.transpose(-1, -2)) * scale  # (KvH, G, n, L)
-            if g.n > 1:  # causal inside the run: column t sees keys up to pos + t
-                att = att + Tensor.full((g.n, L), float("-inf")).triu(g.pos + 1)
-            o = att.softmax(-1) @ vals  # (KvH, G, n, Hd)
-            outs.append(o.permute(2, 0, 1, 3).reshape(g.n, H * Hd))
-        return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, groups: list[Group], ctx: UOp, scale: float) -> Tensor:
+        """Write every column's k/v (N, KvH, Hd) into its sequence's blocks, then attend with q (N, H, Hd) over each
+        column's own positions so far, all columns in one set of kernels; returns (N, H*Hd). `ctx` is bound to the
+        step's longest run end (engine/paged_attention.py)."""
+        N, H, KvH, Hd = q.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        W = KvH * Hd
+        # q, roped k and v in one kernel: the write and the scores kernel read their parts of it
+        qkv = q.reshape(N, H * Hd).cat(k.reshape(N, W), v.reshape(N, W), dim=1).float().contiguous()
+        runs = [Run(g.col, g.n, g.slot, g.pos) for g in groups]
+        # every column's keys/values first: a later column of the same step may attend to them
+        Tensor.realize(*write_kv(self.pool_k, self.pool_v, qkv, self.kv_table, runs, self.block_size, H * Hd, H * Hd + W))
+        return paged_attention(qkv, self.pool_k, self.pool_v, self.kv_table, runs, ctx, self.max_context,
+                               self.block_size, H, KvH, Hd, scale)
 
     # Clearing writes zeros straight into the cache buffers: no kernel to schedule (a kernel per cache and layer cost
     # ~0.1 s of scheduling each, ~6 s of SmolLM2's warmup, which clears every slot once)
+    # A paged layer clears nothing: a freed block's stale rows are never read unmasked (engine/paged_attention.py)
     def zero_slot(self, slot: int | UOp) -> None:
+        if not self.ring:
+            return
         slot = slot.unbind()[1] if isinstance(slot, UOp) else int(slot)
         for c in (self.cache_k, self.cache_v):
             zero_rows(c, slot, slot + 1)
 
     def reset(self) -> None:
+        if not self.ring:
+            return
         for c in (self.cache_k, self.cache_v):
             zero_rows(c, 0, c.shape[0])
 

@@ -17,7 +17,8 @@ from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      device_empty, free_device_cache, load_fused, load_weight, tensor_info, write_into)
-from .model import Block, Group, Head, make_block, rope_inputs
+from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
+from .model import Block, Group, Head, KVPages, make_block, rope_inputs
 from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
 from .program_cache import enabled as program_cache_enabled
 from .replay import CpuReplay, NotReplayable
@@ -109,19 +110,25 @@ class Stage:
     act_dtype = np.dtype(np.float32)
 
     def __init__(self, meta: ModelMeta, start: int, end: int, blocks: list[Block], embed: EmbeddingTable | None,
-                 head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int,
+                 head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int, pages: KVPages,
                  use_jit: bool = True) -> None:
         self.meta, self.start, self.end = meta, start, end
         self.first, self.last = embed is not None, head is not None
         self.dim = meta.dim
         self.n_slots, self.max_context = n_slots, max_context
         self.weight_bytes = weight_bytes
-        self.kv_bytes = sum(b.cache_k.nbytes() + b.cache_v.nbytes() for b in blocks)
+        self.kv_bytes = sum(b.kv_nbytes for b in blocks)
+        # the paged KV cache (engine/kv_blocks.py): which slot owns which block, and the table the kernels read
+        self.kv_block_size, self.kv_blocks = pages.block_size, pages.n_blocks
+        self._pool = BlockPool(pages.n_blocks, pages.block_size)
+        self._table = pages.table
+        self._table_np = np.full(pages.table.shape, pages.n_blocks, np.int32)  # unowned entries: the trash block
         self._blocks, self._embed, self._head = blocks, embed, head
         self._lengths = [0] * n_slots  # positions each slot holds
         self._dirty: set[int] = set()  # slots a step has written since they were last cleared
         self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
         self._vpos = [UOp.variable(f"pos{i}", 0, max_context - 1) for i in range(n_slots)]
+        self._vctx = UOp.variable("ctx", 1, max_context)  # the step's longest run end: attention's loop bound
         self._use_jit = use_jit
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
@@ -134,9 +141,11 @@ class Stage:
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
-             weights: WeightMode = "gguf", kv_dtype: str = "f32", jit: bool = True) -> "Stage":
+             weights: WeightMode = "gguf", kv_dtype: str = "f32", jit: bool = True,
+             kv_blocks: int | None = None) -> "Stage":
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
-        the final norm and output head (the embeddings again when the output is tied)."""
+        the final norm and output head (the embeddings again when the output is tied). `kv_blocks`: the KV pool's
+        blocks of BLOCK_SIZE positions per layer (default: enough for every slot at max_context)."""
         g = read_gguf(path)
         meta = meta_from_gguf(g)
         check_range(meta, start, end)
@@ -147,6 +156,13 @@ class Stage:
         max_context = min(max_context, meta.context_length)  # the model was not trained past its context
         if kv_dtype not in _KV_DTYPES or weights not in WEIGHT_MODES:
             raise EngineError(f"unknown weights={weights!r} or kv_dtype={kv_dtype!r}")
+        per_seq = blocks_for(max_context, BLOCK_SIZE)
+        kv_blocks = n_slots * per_seq if kv_blocks is None else kv_blocks
+        if kv_blocks < 1:
+            raise RangeError(f"{path}: kv_blocks must be at least 1, got {kv_blocks}")
+        table = device_empty((n_slots, per_seq), dtypes.int32)
+        write_into(table, np.full((n_slots, per_seq), kv_blocks, np.int32))
+        pages = KVPages(kv_blocks, BLOCK_SIZE, table)
         first, last = start == 0, end == meta.n_layers
         D, H, KvH, Hd = meta.dim, meta.n_heads, meta.n_kv_heads, meta.head_dim
         shapes = {
@@ -188,7 +204,7 @@ class Stage:
                     ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
                     weight_bytes += ws[short].nbytes
             blocks.append(make_block(meta, layer, ws, n_slots=n_slots, max_context=max_context,
-                                     kv_dtype=_KV_DTYPES[kv_dtype]))
+                                     kv_dtype=_KV_DTYPES[kv_dtype], pages=pages))
         embed = head = out = None
         if last:
             out_name = "token_embd.weight" if meta.tied_output else "output.weight"
@@ -205,10 +221,10 @@ class Stage:
             weight_bytes += embed.nbytes
         _release_freed_memory()
         stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
-                    weight_bytes=weight_bytes, use_jit=jit)
+                    weight_bytes=weight_bytes, pages=pages, use_jit=jit)
         if jit and program_cache_enabled():  # step templates and kernels of earlier processes, read when needed
             stage._program_file = cache_path(meta.fingerprint, start, end, n_slots, max_context, weights, kv_dtype,
-                                             Device.DEFAULT)
+                                             Device.DEFAULT, kv_blocks)
         return stage
 
     # ---- KV slots
@@ -218,14 +234,16 @@ class Stage:
             raise RangeError(f"slot {slot} is outside [0, {self.n_slots})")
 
     def zero_slot(self, slot: int) -> None:
-        """Forget everything slot `slot` holds and clear its cache (if a step wrote it since it was last clear:
-        untouched cache pages stay unmapped)."""
+        """Forget everything slot `slot` holds and give its KV blocks back (a sliding-window ring is cleared too,
+        if a step wrote it since it was last clear: untouched cache pages stay unmapped)."""
         self._check_slot(slot)
         if slot in self._dirty:
             for b in self._blocks:
                 b.zero_slot(int(slot))
             self._dirty.discard(slot)
         self._lengths[slot] = 0
+        if self._pool.free(int(slot)):
+            self._set_table_row(int(slot))
 
     def reset(self) -> None:
         """Forget every slot."""
@@ -234,6 +252,42 @@ class Stage:
                 b.zero_slot(slot)
         self._dirty.clear()
         self._lengths = [0] * self.n_slots
+        self._pool.reset()
+        self._table_np[:] = self.kv_blocks
+        write_into(self._table, self._table_np)
+
+    # ---- the paged KV cache's block tables (engine/kv_blocks.py)
+
+    def block_table(self, slot: int, blocks: Sequence[int]) -> None:
+        """Make `blocks` slot `slot`'s block table (BlockTable from whoever allocates for the chain): its
+        positions [i * kv_block_size, (i + 1) * kv_block_size) live in blocks[i]. A block outside the pool or held
+        by another slot, a table longer than max_context needs, or one too short for what the slot holds is
+        refused (nothing changes). Blocks the slot held and no longer lists are freed."""
+        self._check_slot(slot)
+        slot, blocks = int(slot), [int(b) for b in blocks]
+        if len(blocks) > self._table_np.shape[1]:
+            raise RangeError(f"block table of slot {slot}: {len(blocks)} blocks of {self.kv_block_size} positions "
+                             f"exceed max_context {self.max_context}")
+        if len(blocks) * self.kv_block_size < self._lengths[slot]:
+            raise RangeError(f"block table of slot {slot}: {len(blocks)} blocks cannot hold the "
+                             f"{self._lengths[slot]} positions it holds")
+        self._pool.assign(slot, blocks)
+        self._set_table_row(slot)
+
+    def slot_blocks(self, slot: int) -> tuple[int, ...]:
+        self._check_slot(slot)
+        return self._pool.table(int(slot))
+
+    @property
+    def free_blocks(self) -> int:
+        return self._pool.free_blocks
+
+    def _set_table_row(self, slot: int) -> None:
+        blocks = self._pool.table(slot)
+        row = self._table_np[slot]
+        row[:] = self.kv_blocks
+        row[:len(blocks)] = blocks
+        write_into(self._table, row, slot * row.nbytes)
 
     def rollback(self, slot: int, pos: int) -> None:
         """Forget positions >= pos of `slot` (rejected speculative tokens). Forgotten cache rows are never read
@@ -320,6 +374,9 @@ class Stage:
             if x_np.shape != (N, self.dim):
                 raise EngineError(f"hidden has shape {hidden.shape}, expected ({N}, {self.dim})")
 
+        for _, n, slot, pos in runs:  # a stage driven without BlockTables grows its tables itself
+            if self._pool.ensure(slot, pos + n) is not None:
+                self._set_table_row(slot)
         picks = [i for i, c in enumerate(cols) if c.needs_logits] if self.last else []
         if len(runs) == 1 and N > 1:
             # a prompt's run goes in chunks of the bucket sizes (prefill_chunks), so prompts of any length share the
@@ -361,7 +418,8 @@ class Stage:
         every_row = self.last and picks == tuple(range(size))
         shape = (size, jit_runs, -1 if every_row else len(picks))
         binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
-                [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)]
+                [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)] + \
+                [self._vctx.bind(max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs)))]
         if not every_row:
             binds += [UOp.variable(f"pick{j}", 0, size - 1).bind(i) for j, i in enumerate(picks)]
         inputs = self._inputs.get(shape)
@@ -371,7 +429,8 @@ class Stage:
             write_into(t, a)
         fn = self._jits.get(shape)
         if new_shape := fn is None:
-            fn = partial(self._graph, shape)
+            fn = TinyJit(partial(self._graph, shape))  # jit=False: captured for this one step, then dropped
+            fn.cnt = 1  # (the attention kernels read bound variables, which only a jit's call hands them)
             if self._use_jit:
                 fn = self._jits[shape] = self._capture(shape, inputs, binds)
         if not execute and self._use_jit and fn.captured is not None:  # compiled without running (warmup)
@@ -489,7 +548,7 @@ class Stage:
         N, runs, _ = shape
         k = len(runs)
         groups = [Group(col, n, binds[i], binds[k + i]) for i, (col, n) in enumerate(runs)]
-        return block(x, cos.reshape(N, 1, -1), sin.reshape(N, 1, -1), groups)
+        return block(x, cos.reshape(N, 1, -1), sin.reshape(N, 1, -1), groups, binds[2 * k])
 
     def _head_rows(self, shape, x: Tensor, *binds: UOp) -> Tensor:
         """The last stage's head over the rows that want logits: every row, or the rows bound to pick<j>."""
@@ -497,7 +556,7 @@ class Stage:
         if n_picks == -1:
             rows = x
         else:
-            picks = binds[2 * len(runs):]
+            picks = binds[2 * len(runs) + 1:]
             rows = x[picks[0]:picks[0] + 1] if n_picks == 1 else Tensor.cat(*[x[v:v + 1] for v in picks])
         return self._head(rows)  # (M, vocab) float32
 

@@ -168,8 +168,8 @@ def test_zero_slot_and_reset(models):
     ref = greedy([s], PROMPT, 4, slot=1)
     s.zero_slot(1)
     assert s.slot_length(1) == 0 and s.slot_length(0) == len(PROMPT) + 1
-    cache = s._blocks[0].cache_k.numpy()
-    assert not cache[1].any() and cache[0].any()  # the zeroed slot is cleared, its neighbour kept
+    # the zeroed slot's KV blocks go back to the pool, its neighbour keeps its own
+    assert s.slot_blocks(1) == () and len(s.slot_blocks(0)) == 1 and s.free_blocks == s.kv_blocks - 1
     with pytest.raises(RangeError):
         s.step([Column(3, 1, True, 1)])
     assert greedy([s], PROMPT, 4, slot=1) == ref
@@ -282,7 +282,9 @@ def test_warmup_leaves_no_trace(models):
         res = st.warmup(decode_batch=1)
         assert res.shapes == 1 + len(PREFILL_BUCKETS) and res.ms > 0
         assert [st.slot_length(i) for i in range(4)] == [0] * 4
-        assert not st._blocks[0].cache_k.numpy().any() and not st._blocks[0].cache_v.numpy().any()
+        rows = st.kv_blocks * st.kv_block_size  # every block but the trash block, where unowned rows write
+        assert not st._blocks[0].pool_k.numpy()[:rows].any() and not st._blocks[0].pool_v.numpy()[:rows].any()
+        assert st.free_blocks == st.kv_blocks
         assert st.warmup(decode_batch=1).shapes == 0  # nothing left to compile
 
     def session(stages):

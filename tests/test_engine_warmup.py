@@ -49,7 +49,10 @@ def test_block_kind_tells_layers_apart(model):
     b = s._blocks
     assert len({block_kind(x) for x in b}) == 1
     names = [t.shape for t in block_tensors(b[0])]
-    assert (1, 2, 32, 16) in names  # the KV caches are inputs of the captured layer: every layer writes its own
+    # the KV pools ((blocks + trash) x block_size rows of kv_heads * head_dim) are inputs of the captured layer:
+    # every layer writes its own; the stage's block table (slots x blocks per sequence) is an input of each too
+    assert names.count((3 * 16, 2 * 16)) == 2 and (1, 2) in names
+    assert block_tensors(b[0])[names.index((1, 2))] is block_tensors(b[1])[names.index((1, 2))]
     b[1].sliding_window = 8  # an attribute a layer kind could add
     assert block_kind(b[1]) != block_kind(b[0])
 
@@ -86,16 +89,19 @@ def test_a_layer_overwriting_its_input_early_is_not_shared():
         capture_shared([Layer(), Layer()], layer, None, (x, cos, sin), [])
 
 
-def test_zero_slot_clears_only_that_slot_without_kernels(model):
+def test_zero_slot_frees_only_that_slots_blocks(model):
     s = Stage.load(model, 0, 4, n_slots=2, max_context=32)
     s.step([Column(i, slot, False, 5) for slot in (0,) for i in range(3)])
     s.step([Column(i, 1, False, 6) for i in range(3)])
-    c = s._blocks[2].cache_k
-    assert np.abs(c.numpy()[0]).sum() > 0 and np.abs(c.numpy()[1]).sum() > 0
-    s.zero_slot(0)
-    assert np.abs(c.numpy()[0]).sum() == 0 and np.abs(c.numpy()[1]).sum() > 0
+    c = s._blocks[2].pool_k
+    b0, b1 = s.slot_blocks(0), s.slot_blocks(1)
+    assert len(b0) == len(b1) == 1 and b0 != b1
+    rows = lambda b: c.numpy()[b[0] * s.kv_block_size:b[0] * s.kv_block_size + 3]
+    assert np.abs(rows(b0)).sum() > 0 and np.abs(rows(b1)).sum() > 0
+    s.zero_slot(0)  # bookkeeping only: a freed block's rows are never read unmasked
+    assert s.slot_blocks(0) == () and s.slot_blocks(1) == b1 and s.free_blocks == s.kv_blocks - 1
     s.reset()
-    assert np.abs(c.numpy()).sum() == 0 and s.slot_length(1) == 0
+    assert s.slot_blocks(1) == () and s.free_blocks == s.kv_blocks and s.slot_length(1) == 0
 
 
 # ---- compiled programs on disk (engine/program_cache.py)

@@ -178,7 +178,8 @@ def test_local_layers_hold_only_their_ring(tiny):
     st = Stage.load(tiny, 0, N_LAYERS, n_slots=2, max_context=1024)
     per_pos = 2 * 2 * KV_HEADS * HEAD_DIM * 4  # k and v, 2 slots, f32
     ring = WINDOW + gemma3_mod.RING_SLACK
-    assert st.kv_bytes == per_pos * (6 * ring + 1 * 1024)
+    # the global layer pages: 2 slots x 1024 positions of blocks, plus the trash block (engine/paged_attention.py)
+    assert st.kv_bytes == per_pos * (6 * ring) + per_pos // 2 * (2 * 1024 + st.kv_block_size)
 
 
 def test_prefill_chunks_fit_the_ring_slack():

@@ -1,0 +1,179 @@
+"""Attention over a paged KV cache: one set of kernels for every column of a step, whatever sequences they belong to.
+
+A layer's keys and values live in two pools of rows, `(n_blocks + 1) * block_size` rows of `n_kv_heads * head_dim`
+values: position p of a sequence sits in row `table[slot, p // B] * B + p % B` (engine/kv_blocks.py hands out the
+blocks; the table is a stage-wide int32 tensor, one row of block ids per slot). The last block is the trash block:
+every table entry a slot does not own points there, so a padded prefill chunk's pad rows write somewhere harmless and
+a read past a sequence's own blocks reads finite data that the mask drops.
+
+A step's columns come in runs (one slot, consecutive positions; the run structure is the compiled shape, slot and
+start position are bound variables), so a column's slot and position are expressions of those variables: the
+kernels need no per-step input beyond the table. Four kernels per layer for all columns together:
+
+    write:   pool_k[row(c, pos_c)] = k[c],  pool_v[row(c, pos_c)] = v[c]      (all columns, before any read)
+    scores:  s[c, h, t] = scale * sum_d q[c, h, d] * pool_k[row(c, t), kvh(h), d]        t < ctx
+    softmax: m = max_t s, p[c, h, t] = exp(s - m) / sum_t exp(s - m)              over t <= pos_c only
+    values:  out[c, h, d] = sum_t p[c, h, t] * pool_v[row(c, t), kvh(h), d]           over t <= pos_c only
+
+`ctx` (a bound variable: the longest run's end) bounds the loops; a key past a column's own position contributes an
+exact zero (a `where`, not a multiply by zero, so even garbage in a trash row cannot leak), and every sum runs in the
+same order whatever else is in the step. So a column's attention is bitwise the same whether it steps alone or next
+to sequences of any length, and splits stay bitwise equal (every stage runs the same kernels for a layer).
+Written in UOps with tinygrad's `custom_kernel`: no CUDA C, no intrinsics; the same code renders for CPU and GPUs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+
+F32 = dtypes.float32
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Run:
+    """Columns [col, col + n) of a step: one slot's consecutive positions from `pos` (slot, pos: bound UOps)."""
+    col: int
+    n: int
+    slot: UOp
+    pos: UOp
+
+
+def _kvar(u: UOp) -> UOp:
+    """A bound variable as kernels see it (an ALU PARAM): the jit passes its value with the step's bindings."""
+    var = u if u.is_variable else u.unbind()[0]
+    lo, hi = var.arg.vmin_vmax
+    return UOp.variable(var.arg.name, lo, hi, dtype=var.dtype, param=True)
+
+
+def _kruns(runs: Sequence[Run]) -> tuple[Run, ...]:
+    return tuple(Run(r.col, r.n, _kvar(r.slot), _kvar(r.pos)) for r in runs)
+
+
+def _per_column(c: UOp, runs: Sequence[Run], f) -> UOp:
+    """f(run) for the run that column c (a range) falls in: a chain of wheres over the run boundaries."""
+    expr = f(runs[-1])
+    for r in reversed(runs[:-1]):
+        expr = (c < r.col + r.n).where(f(r), expr)
+    return expr
+
+
+def _slot_pos(c: UOp, runs: Sequence[Run]) -> tuple[UOp, UOp]:
+    return _per_column(c, runs, lambda r: r.slot), _per_column(c, runs, lambda r: r.pos + (c - r.col))
+
+
+def _row(table: UOp, slot: UOp, t: UOp, B: int, rows: int) -> UOp:
+    """The pool row of position t of the slot. The block id is clamped to the pool, so tinygrad can prove the
+    index in bounds and a bad table cannot reach outside the pool. (The pools come flat: a 2-D index with a
+    loaded row costs a modulo per load.)"""
+    blk = table[slot, t // B].cast(dtypes.int).maximum(0).minimum(rows // B - 1)
+    return blk * B + t % B
+
+
+def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: int, tag: str):
+    def kernel(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
+        N, W = src.shape[0], width
+        stores = []
+        for i, (pool, off) in enumerate(((pk, k_off), (pv, v_off))):
+            c, j = UOp.range(N, 2 * i), UOp.range(W, 2 * i + 1)
+            slot, pos = _slot_pos(c, runs)
+            stores.append(pool[_row(table, slot, pos, B, pool.shape[0] // W) * W + j].store(src[c, j + off].cast(pool.dtype.scalar() if hasattr(pool.dtype, "scalar") else pool.dtype)).end(j, c))
+        return UOp.sink(*stores, arg=KernelInfo(name=f"kv_write_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, scale: float, tag: str):
+    G = H // KvH
+
+    def kernel(s: UOp, q: UOp, pk: UOp, table: UOp) -> UOp:
+        N = q.shape[0]
+        c, h, t = UOp.range(N, 0), UOp.range(H, 1), UOp.range(ctx, 2)
+        slot, pos = _slot_pos(c, runs)
+        row = _row(table, slot, t, B, pk.shape[0] // (KvH * Hd))
+        d = UOp.range(Hd, 3, AxisType.REDUCE)
+        acc = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
+        acc = acc.after(t, h, c)[0].set(0.0)
+        acc = acc[0].set(acc.after(d)[0] + q[c, h * Hd + d] * pk[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32), end=d)
+        val = (t <= pos).where(acc[0] * scale, float("-inf"))
+        return s[c, h, t].store(val).end(t, h, c).sink(arg=KernelInfo(name=f"attn_scores_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, tag: str):
+    def kernel(p: UOp, s: UOp) -> UOp:
+        N = s.shape[0]
+        c, h = UOp.range(N, 0), UOp.range(H, 1)
+        _, pos = _slot_pos(c, runs)
+        t1 = UOp.range(ctx, 2, AxisType.REDUCE)
+        m = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
+        m = m.after(h, c)[0].set(float("-inf"))
+        m = m[0].set((t1 <= pos).where(m.after(t1)[0].maximum(s[c, h, t1]), m.after(t1)[0]), end=t1)
+        t2 = UOp.range(ctx, 3, AxisType.REDUCE)
+        e = lambda t: ((s[c, h, t] - m[0]) * LOG2E).exp2()
+        tot = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
+        tot = tot.after(m)[0].set(0.0)
+        tot = tot[0].set(tot.after(t2)[0] + (t2 <= pos).where(e(t2), 0.0), end=t2)
+        t3 = UOp.range(ctx, 4)
+        out = p[c, h, t3].store((t3 <= pos).where(e(t3) / tot[0], 0.0)).end(t3)
+        return out.end(h, c).sink(arg=KernelInfo(name=f"attn_softmax_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, tag: str):
+    G = H // KvH
+
+    def kernel(o: UOp, p: UOp, pv: UOp, table: UOp) -> UOp:
+        # per (column, head): Hd sums side by side, one pass over the positions; each sum still runs in position
+        # order (lanes are independent accumulators, nothing reassociates), and the lanes vectorize. The REG sums
+        # are indexed from 1 (engine/quant_gemm.py: clang's SLP lines its vectors up from there)
+        N = p.shape[0]
+        c, h = UOp.range(N, 0), UOp.range(H, 1)
+        slot, pos = _slot_pos(c, runs)
+        acc = UOp.placeholder((Hd + 1,), F32, 0, addrspace=AddrSpace.REG)
+        d0 = UOp.range(Hd, 2)
+        acc = acc.after(h, c)[d0 + 1].set(0.0, end=d0)
+        t = UOp.range(ctx, 3, AxisType.REDUCE)
+        row = _row(table, slot, t, B, pv.shape[0] // (KvH * Hd))
+        w = p[c, h, t]
+        d = UOp.range(Hd, 4)
+        term = (t <= pos).where(w * pv[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32), 0.0)
+        acc = acc[d + 1].set(acc.after(t)[d + 1] + term, end=(d, t))
+        d2 = UOp.range(Hd, 5)
+        return o[c, h * Hd + d2].store(acc[d2 + 1]).end(d2).end(h, c).sink(
+            arg=KernelInfo(name=f"attn_values_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def write_kv(pool_k: Tensor, pool_v: Tensor, src: Tensor, table: Tensor, runs: Sequence[Run], block_size: int,
+             k_offset: int, v_offset: int) -> list[Tensor]:
+    """Store each column's k and v, the W = pool width values of src (N, ...) row from k_offset and from v_offset,
+    into the pools at its slot's position. Returns the pools after the write (realize them before a read)."""
+    W = pool_k.shape[1]
+    tag = f"{src.shape[0]}x{W}_r{len(runs)}"
+    out = Tensor.custom_kernel(pool_k.reshape(-1), pool_v.reshape(-1), src.contiguous(), table,
+                               fxn=_write_kernel(_kruns(runs), block_size, W, k_offset, v_offset, tag))
+    return out[:2]
+
+
+def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence[Run], ctx: UOp,
+                    max_context: int, block_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                    scale: float) -> Tensor:
+    """q (N, H * Hd and more: only each row's first H * Hd values are read) against each column's own sequence in
+    the pools -> (N, H * Hd) float32. `ctx` is a bound variable at least every run's end (pos + n); the scratch is
+    sized for max_context."""
+    N, H, Hd = q.shape[0], n_heads, head_dim
+    runs, ctx = _kruns(runs), _kvar(ctx)
+    tag = f"{N}x{H}x{Hd}_r{len(runs)}"
+    q = q.cast(F32).contiguous()
+    s = Tensor.empty(N, H, max_context, dtype=F32, device=q.device)
+    s = Tensor.custom_kernel(s, q, pool_k.reshape(-1), table,
+                             fxn=_scores_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, tag))[0]
+    p = Tensor.empty(N, H, max_context, dtype=F32, device=q.device)
+    p = Tensor.custom_kernel(p, s, fxn=_softmax_kernel(runs, ctx, H, tag))[0]
+    o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
+    return Tensor.custom_kernel(o, p, pool_v.reshape(-1), table, fxn=_values_kernel(runs, ctx, block_size, H, n_kv_heads, Hd,
+                                                                          tag))[0]
