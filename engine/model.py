@@ -164,7 +164,8 @@ class Block:
         qkv = q.reshape(N, H * Hd).cat(k.reshape(N, W), v.reshape(N, W), dim=1).float().contiguous()
         runs = [Run(g.col, g.n, g.slot, g.pos) for g in groups]
         # every column's keys/values first: a later column of the same step may attend to them
-        Tensor.realize(*write_kv(self.pool_k, self.pool_v, qkv, self.kv_table, runs, self.block_size, H * Hd, H * Hd + W))
+        Tensor.realize(*write_kv(self.pool_k, self.pool_v, qkv, self.kv_table, runs, self.block_size, H * Hd,
+                                 H * Hd + W))
         return paged_attention(qkv, self.pool_k, self.pool_v, self.kv_table, runs, ctx, self.max_context,
                                self.block_size, H, KvH, Hd, scale)
 

@@ -81,7 +81,8 @@ def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: in
         for i, (pool, off) in enumerate(((pk, k_off), (pv, v_off))):
             c, j = UOp.range(N, 2 * i), UOp.range(W, 2 * i + 1)
             slot, pos = _slot_pos(c, runs)
-            stores.append(pool[_row(table, slot, pos, B, pool.shape[0] // W) * W + j].store(src[c, j + off].cast(pool.dtype.scalar() if hasattr(pool.dtype, "scalar") else pool.dtype)).end(j, c))
+            row = _row(table, slot, pos, B, pool.shape[0] // W)
+            stores.append(pool[row * W + j].store(src[c, j + off].cast(pool.dtype)).end(j, c))
         return UOp.sink(*stores, arg=KernelInfo(name=f"kv_write_{tag}", opts_to_apply=()))
     return kernel
 

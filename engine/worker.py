@@ -33,9 +33,10 @@ import trio
 from engine.arena import (EGRESS, INGRESS, RECORD_HEADER_LEN, Arena, ArenaError, RecordError, RecordRef,
                           RingReader, RingWriter)
 from engine.errors import EngineError
-from engine.worker_proto import (MAX_LINE, Command, CommandError, Done, Envelope, Fatal, Initialize, Load, Loaded,
-                                 Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireColumn, WireError,
-                                 WorkerInfo, ZeroSlot, command_name, compact_sampling, decode_event, encode_command)
+from engine.worker_proto import (MAX_LINE, BlockTable, Command, CommandError, Done, Envelope, Fatal, Initialize,
+                                 Load, Loaded, Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireColumn,
+                                 WireError, WorkerInfo, ZeroSlot, command_name, compact_sampling, decode_event,
+                                 encode_command)
 
 __all__ = ["open_worker", "Worker", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
            "DEFAULT_ARENA_BYTES"]
@@ -142,13 +143,14 @@ class Worker:
     # ---- the Stage-like API ----
 
     async def load(self, path: str | os.PathLike, start: int, end: int, *, n_slots: int = 4,
-                   max_context: int = 2048, warmup: int = 1) -> WorkerInfo:
+                   max_context: int = 2048, warmup: int = 1, kv_blocks: int = 0) -> WorkerInfo:
         """Load layers [start, end) and compile the steps of a session before answering (`Stage.warmup`): decode
         steps of 1..`warmup` sequences (a mesh session decodes one) and the prefill chunks; 0 skips that, and the
-        first step of each shape compiles it instead (seconds on a real model; tests of tiny ones can skip it)."""
+        first step of each shape compiles it instead (seconds on a real model; tests of tiny ones can skip it).
+        `kv_blocks`: the KV pool's size in blocks (0: enough for every slot at max_context)."""
         self.info = None  # the worker drops what it held before it loads; a failed Load leaves nothing loaded
-        ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context, warmup),
-                                 Loaded)
+        ev = await self._request(lambda cid: Load(cid, os.fspath(path), start, end, n_slots, max_context, warmup,
+                                                  kv_blocks), Loaded)
         self.info = ev.info
         return ev.info
 
@@ -247,6 +249,10 @@ class Worker:
 
     async def zero_slot(self, slot: int) -> None:
         await self._request(lambda cid: ZeroSlot(cid, slot), Done)
+
+    async def block_table(self, slot: int, blocks: tuple[int, ...] | list[int]) -> None:
+        """Make `blocks` the slot's KV block table (Stage.block_table; refused: WorkerCommandError)."""
+        await self._request(lambda cid: BlockTable(cid, slot, tuple(int(b) for b in blocks)), Done)
 
     async def reset(self) -> None:
         await self._request(lambda cid: Reset(cid), Done)

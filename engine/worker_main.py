@@ -28,9 +28,9 @@ from engine.device import (DeviceChoice, DeviceError, apply_device, choose_devic
                            quick_default)
 from engine.platform import current
 from engine.errors import EngineError
-from engine.worker_proto import (MAX_LINE, CommandError, Done, Event, Fatal, Initialize, Load, Loaded, Ready,
-                                 Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireError, WorkerInfo, ZeroSlot,
-                                 command_name, decode_command, encode_event)
+from engine.worker_proto import (MAX_LINE, BlockTable, CommandError, Done, Event, Fatal, Initialize, Load, Loaded,
+                                 Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireError, WorkerInfo,
+                                 ZeroSlot, command_name, decode_command, encode_event)
 
 
 # Test-only (bench/placement_bench.py, tests/test_placement.py): every step of this worker sleeps this many ms per
@@ -75,7 +75,8 @@ class WorkerLoop:
         self.stage = None
         self.last_step_id = -1
         self.handlers = {Initialize: self.on_initialize, Load: self.on_load, Step: self.on_step,
-                         ZeroSlot: self.on_zero_slot, Reset: self.on_reset, Rollback: self.on_rollback,
+                         ZeroSlot: self.on_zero_slot, BlockTable: self.on_block_table, Reset: self.on_reset,
+                         Rollback: self.on_rollback,
                          Shutdown: self.on_shutdown}
 
     # ---- dispatch ----
@@ -143,10 +144,13 @@ class WorkerLoop:
             raise _Refuse(f"n_slots ({cmd.n_slots}) and max_context ({cmd.max_context}) must be at least 1")
         if not 0 <= cmd.warmup <= cmd.n_slots:
             raise _Refuse(f"warmup ({cmd.warmup}) must lie in [0, n_slots = {cmd.n_slots}]")
+        if cmd.kv_blocks < 0:
+            raise _Refuse(f"kv_blocks ({cmd.kv_blocks}) must be at least 1, or 0 for the default")
         from engine.stage import Stage
         t0 = time.perf_counter()
         try:
-            stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context)
+            stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context,
+                               kv_blocks=cmd.kv_blocks or None)
             load_ms = (time.perf_counter() - t0) * 1000
             # compile every step shape now, so that the first steps of a session (and a prompt of a new length)
             # do not wait seconds for tinygrad: Loaded means ready to step at full speed
@@ -158,7 +162,8 @@ class WorkerLoop:
         return Loaded(WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
                                  act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),
                                  kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms,
-                                 warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0))
+                                 warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0,
+                                 kv_blocks=stage.kv_blocks, kv_block_size=stage.kv_block_size))
 
     def on_step(self, cmd: Step) -> Event:
         hidden = None
@@ -229,6 +234,9 @@ class WorkerLoop:
 
     def on_zero_slot(self, cmd: ZeroSlot) -> Event:
         return self._stage_call("ZeroSlot", lambda: self.stage.zero_slot(cmd.slot))
+
+    def on_block_table(self, cmd: BlockTable) -> Event:
+        return self._stage_call("BlockTable", lambda: self.stage.block_table(cmd.slot, cmd.blocks))
 
     def on_reset(self, cmd: Reset) -> Event:
         return self._stage_call("Reset", lambda: self.stage.reset())

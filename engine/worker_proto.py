@@ -55,6 +55,7 @@ class Load:
     n_slots: int
     max_context: int
     warmup: int  # compile decode steps of 1..warmup sequences and the prefill chunks before Loaded; 0: none
+    kv_blocks: int = 0  # the KV pool's blocks per layer (engine/kv_blocks.py); 0: every slot at max_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,14 @@ class ZeroSlot:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Make `blocks` the slot's KV block table (Stage.block_table)."""
+    cid: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Reset:
     cid: int
 
@@ -90,8 +99,9 @@ class Shutdown:
     cid: int
 
 
-Command = Union[Initialize, Load, Step, ZeroSlot, Reset, Rollback, Shutdown]
-COMMANDS: dict[str, type] = {c.__name__: c for c in (Initialize, Load, Step, ZeroSlot, Reset, Rollback, Shutdown)}
+Command = Union[Initialize, Load, Step, ZeroSlot, BlockTable, Reset, Rollback, Shutdown]
+COMMANDS: dict[str, type] = {c.__name__: c for c in (Initialize, Load, Step, ZeroSlot, BlockTable, Reset, Rollback,
+                                                     Shutdown)}
 
 
 # ---- events (worker -> client) ----
@@ -110,6 +120,8 @@ class WorkerInfo:
     load_ms: float
     warmup_ms: float  # compiling the step shapes after the load (Stage.warmup); 0 when Load asked for none
     warmup_shapes: int
+    kv_blocks: int = 0  # the KV pool: blocks of kv_block_size positions per layer (engine/kv_blocks.py)
+    kv_block_size: int = 0
 
     @property
     def first(self) -> bool:
@@ -144,7 +156,7 @@ class StepDone:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Acknowledges a command that returns nothing (ZeroSlot, Reset, Rollback)."""
+    """Acknowledges a command that returns nothing (ZeroSlot, BlockTable, Reset, Rollback)."""
     command: str
 
 

@@ -75,6 +75,7 @@ class Peer:
         self.loaded: tuple[int, int] | None = None
         self.loaded_fingerprint = ""
         self.loaded_total = 0
+        self.loaded_kv = (0, 0)  # the loaded stage's KV pool: (blocks, positions a block), reported in Info
         self.backend = ""
         self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
         self.forward: _Forward | None = None
@@ -254,8 +255,9 @@ class Peer:
         start, end = self.loaded or (0, 0)
         fp = self.loaded_fingerprint or self.identity
         total = self.loaded_total or (self.meta.n_layers if self.meta else 0)
+        kv = self.loaded_kv if self.loaded is not None else (0, 0)
         return proto.Info(start, end, total, self.cfg.memory_mb, self.cfg.layers is not None, fp,
-                          self.backend, self.loaded is not None)
+                          self.backend, self.loaded is not None, *kv)
 
     # ---- loading and shipping --------------------------------------------------------------------------------
     async def _load(self, path: Path, start: int, end: int) -> None:
@@ -264,6 +266,7 @@ class Peer:
         self.loaded = (start, end)
         self.loaded_fingerprint = info.fingerprint
         self.loaded_total = info.total
+        self.loaded_kv = (info.kv_blocks, info.kv_block_size)
         self.report.layers = (start, end)
         log.info("loaded layers %d..%d of %s (%.1f MB of weights) in %.1f s, compiled %d step shapes in %.1f s",
                  start, end, path.name, info.weight_bytes / 1e6, info.load_ms / 1e3, info.warmup_shapes,
@@ -383,8 +386,8 @@ class Peer:
                     await self.worker.reset()
                 elif isinstance(ev, proto.Rollback):
                     await self.worker.rollback(ev.slot, ev.pos)
-                # BlockTable: our KV slots are contiguous per sequence, so a block-table row carries no work here;
-                # it is still forwarded so a stage that pages its cache sees it in order.
+                elif isinstance(ev, proto.BlockTable):  # row = the slot; applied before any later step
+                    await self.worker.block_table(ev.row, ev.blocks)
                 if self.forward and not self.forward.sink:
                     await self.forward.link.send(ev)
         elif self.forward and not self.forward.sink:

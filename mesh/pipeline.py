@@ -27,6 +27,7 @@ class LocalStage(Protocol):
     async def step(self, cols, hidden, sampling): ...
     async def zero_slot(self, slot): ...
     async def rollback(self, slot, pos): ...
+    async def block_table(self, slot, blocks): ...
 
 
 async def _send(link, ev, who: str) -> None:
@@ -64,12 +65,14 @@ class Pipeline:
         return to_activation(await self.local.step(cols, None, sampling))
 
     async def inband(self, ev) -> None:
-        """ZeroSlot / Rollback / Reset, ahead of the steps they precede, to every stage in order."""
+        """ZeroSlot / Rollback / Reset / BlockTable, ahead of the steps they precede, to every stage in order."""
         if self.local is not None:
             if isinstance(ev, proto.ZeroSlot):
                 await self.local.zero_slot(ev.slot)
             elif isinstance(ev, proto.Rollback):
                 await self.local.rollback(ev.slot, ev.pos)
+            elif isinstance(ev, proto.BlockTable):
+                await self.local.block_table(ev.row, ev.blocks)
         await self._send_inband(ev)
 
     async def submit(self, cols: list[Column], sampling: SamplingArg) -> int:
@@ -164,6 +167,8 @@ class LocalPipeline(_Deferred):
             await self.stage.zero_slot(ev.slot)
         elif isinstance(ev, proto.Rollback):
             await self.stage.rollback(ev.slot, ev.pos)
+        elif isinstance(ev, proto.BlockTable):
+            await self.stage.block_table(ev.row, ev.blocks)
 
     async def collect(self, group: int) -> tuple[int, ...]:
         cols, sampling = self._pending.pop(group)

@@ -9,9 +9,9 @@ from hypothesis import given, settings, strategies as st
 from engine.arena import (EGRESS, INGRESS, RECORD_ALIGN, RECORD_FIELDS, RECORD_HEADER_LEN, Arena, ArenaError,
                           PayloadKind, RecordError, RecordHeader, RecordRef, RingFull, RingReader, RingWriter)
 from engine.device import DeviceError, choose_device, is_clang, quick_default
-from engine.worker_proto import (CommandError, Done, Fatal, Initialize, Load, Loaded, Ready, Reset, Rollback, Shutdown,
-                                 Step, StepDone, Stopped, WireColumn, WireError, WorkerInfo, ZeroSlot, decode_command,
-                                 decode_event, encode_command, encode_event)
+from engine.worker_proto import (BlockTable, CommandError, Done, Fatal, Initialize, Load, Loaded, Ready, Reset,
+                                 Rollback, Shutdown, Step, StepDone, Stopped, WireColumn, WireError, WorkerInfo,
+                                 ZeroSlot, decode_command, decode_event, encode_command, encode_event)
 
 
 @pytest.fixture
@@ -157,9 +157,10 @@ _COMMANDS = [Initialize(1, None), Initialize(2, "CPU:X86"), Load(3, "/m.gguf", 0
              Step(4, 9, (WireColumn(0, 1, False, 5), WireColumn(1, 1, True, 6)), ({"temperature": 0.5, "seed": 3},),
                   False, _ref),
              Step(5, 10, (WireColumn(2, 0, True, 0),), (), True, None), ZeroSlot(6, 1), Reset(7), Rollback(8, 1, 3),
-             Shutdown(9)]
+             Shutdown(9), BlockTable(10, 2, (5, 0, 9)), BlockTable(11, 0, ()), Load(12, "/m.gguf", 0, 4, 2, 64, 1, 40)]
 _EVENTS = [Ready("CPU", "CPU", "default", "", (2, 4, 6), 1.5),
            Loaded(WorkerInfo(0, 2, 4, 64, "float32", 10, 20, "ab12", 3.0, 1250.5, 3)), StepDone(9, _ref, 0.25), Done("Reset"),
+           Loaded(WorkerInfo(0, 2, 4, 64, "float32", 10, 20, "ab12", 3.0, 1250.5, 3, 512, 16)),
            CommandError("Step", "no model"), Fatal("record.magic", "bad"), Stopped("shutdown")]
 
 

@@ -29,6 +29,7 @@ SAMPLES: list[p.Event] = [
     p.Join(7001, "", 4096),
     p.InfoRequest(),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True),
+    p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True, 512, 16),
     p.Load(15, 30, 30, "ab" * 16),
     p.Ack(p.MsgType.LOAD, p.LoadCode.NEED_WEIGHTS, "no cached range"),
     p.Ack(p.MsgType.SHIP_END),

@@ -197,6 +197,12 @@ async def test_tiny_model_through_two_workers_equals_in_process_stage_bitwise(ti
         await a.zero_slot(1)
         await a.reset()
         await b.reset()
+        # block tables reach the stage, and a conflicting one is refused without harming the worker
+        assert (ia.kv_blocks, ia.kv_block_size) == (2 * 64 // 16, 16)
+        await a.block_table(0, (3, 1))
+        with pytest.raises(WorkerCommandError, match="block 3 belongs to slot 0"):
+            await a.block_table(1, (3,))
+        await a.reset()
         # per-column sampling crosses the wire as a list
         out = await b.step([Column(0, 0, True, 3)],
                            await a.step([Column(0, 0, True, 3)], None, Sampling()), [Sampling(seed=1)])

@@ -430,10 +430,12 @@ class InfoRequest(Event):
     pass
 
 
-@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL)
+@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL, U32, U32)
 @dataclass(frozen=True, slots=True)
 class Info(Event):
-    """A stage's self-description. With loaded False, start/end are the pinned range (if pinned) or 0/0."""
+    """A stage's self-description. With loaded False, start/end are the pinned range (if pinned) or 0/0.
+    kv_blocks / kv_block_size: the loaded stage's KV pool (blocks of kv_block_size positions; 0/0 not loaded): the
+    scheduler sizes its block allocator to the smallest pool of the chain (engine/kv_blocks.py)."""
 
     start: int
     end: int
@@ -443,6 +445,8 @@ class Info(Event):
     fingerprint: str
     backend: str
     loaded: bool
+    kv_blocks: int = 0
+    kv_block_size: int = 0
 
 
 @_message(MsgType.LOAD, U32, U32, U32, STR, BYTES)
@@ -560,6 +564,9 @@ class BatchInit(Event):
 @_message(MsgType.BLOCK_TABLE, U32, U32S)
 @dataclass(frozen=True, slots=True)
 class BlockTable(Event):
+    """In-band, ahead of the step that needs it: the KV block table of slot `row` (its positions
+    [i * kv_block_size, (i + 1) * kv_block_size) live in blocks[i]); every stage applies it (Stage.block_table)."""
+
     row: int
     blocks: tuple[int, ...]
 
