@@ -74,12 +74,17 @@ def _row(table: UOp, slot: UOp, t: UOp, B: int, rows: int) -> UOp:
     return blk * B + t % B
 
 
-def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: int, tag: str):
+def _outer(gpu: bool) -> AxisType:
+    """Loops over outputs: a GPU runs them as threads; the CPU runs each kernel's loops as they are (one core)."""
+    return AxisType.GLOBAL if gpu else AxisType.WEAK
+
+
+def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: int, gpu: bool, tag: str):
     def kernel(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
         N, W = src.shape[0], width
         stores = []
         for i, (pool, off) in enumerate(((pk, k_off), (pv, v_off))):
-            c, j = UOp.range(N, 2 * i), UOp.range(W, 2 * i + 1)
+            c, j = UOp.range(N, 2 * i, _outer(gpu)), UOp.range(W, 2 * i + 1, _outer(gpu))
             slot, pos = _slot_pos(c, runs)
             row = _row(table, slot, pos, B, pool.shape[0] // W)
             stores.append(pool[row * W + j].store(src[c, j + off].cast(pool.dtype)).end(j, c))
@@ -87,27 +92,29 @@ def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: in
     return kernel
 
 
-def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, scale: float, tag: str):
+def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, scale: float, gpu: bool,
+                   tag: str):
     G = H // KvH
 
     def kernel(s: UOp, q: UOp, pk: UOp, table: UOp) -> UOp:
         N = q.shape[0]
-        c, h, t = UOp.range(N, 0), UOp.range(H, 1), UOp.range(ctx, 2)
+        c, h, t = (UOp.range(n, i, _outer(gpu)) for i, n in enumerate((N, H, ctx)))
         slot, pos = _slot_pos(c, runs)
         row = _row(table, slot, t, B, pk.shape[0] // (KvH * Hd))
         d = UOp.range(Hd, 3, AxisType.REDUCE)
         acc = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(t, h, c)[0].set(0.0)
-        acc = acc[0].set(acc.after(d)[0] + q[c, h * Hd + d] * pk[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32), end=d)
+        k = pk[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32)
+        acc = acc[0].set(acc.after(d)[0] + q[c, h * Hd + d] * k, end=d)
         val = (t <= pos).where(acc[0] * scale, float("-inf"))
         return s[c, h, t].store(val).end(t, h, c).sink(arg=KernelInfo(name=f"attn_scores_{tag}", opts_to_apply=()))
     return kernel
 
 
-def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, tag: str):
+def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, gpu: bool, tag: str):
     def kernel(p: UOp, s: UOp) -> UOp:
         N = s.shape[0]
-        c, h = UOp.range(N, 0), UOp.range(H, 1)
+        c, h = UOp.range(N, 0, _outer(gpu)), UOp.range(H, 1, _outer(gpu))
         _, pos = _slot_pos(c, runs)
         t1 = UOp.range(ctx, 2, AxisType.REDUCE)
         m = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
@@ -124,8 +131,22 @@ def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, tag: str):
     return kernel
 
 
-def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, tag: str):
+def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, gpu: bool, tag: str):
     G = H // KvH
+
+    def kernel_gpu(o: UOp, p: UOp, pv: UOp, table: UOp) -> UOp:
+        # a thread per output value, the positions in order
+        N = p.shape[0]
+        c, h, d = (UOp.range(n, i, AxisType.GLOBAL) for i, n in enumerate((N, H, Hd)))
+        slot, pos = _slot_pos(c, runs)
+        t = UOp.range(ctx, 3, AxisType.REDUCE)
+        row = _row(table, slot, t, B, pv.shape[0] // (KvH * Hd))
+        acc = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
+        acc = acc.after(d, h, c)[0].set(0.0)
+        term = (t <= pos).where(p[c, h, t] * pv[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32), 0.0)
+        acc = acc[0].set(acc.after(t)[0] + term, end=t)
+        return o[c, h * Hd + d].store(acc[0]).end(d, h, c).sink(
+            arg=KernelInfo(name=f"attn_values_{tag}", opts_to_apply=()))
 
     def kernel(o: UOp, p: UOp, pv: UOp, table: UOp) -> UOp:
         # per (column, head): Hd sums side by side, one pass over the positions; each sum still runs in position
@@ -146,7 +167,11 @@ def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
         d2 = UOp.range(Hd, 5)
         return o[c, h * Hd + d2].store(acc[d2 + 1]).end(d2).end(h, c).sink(
             arg=KernelInfo(name=f"attn_values_{tag}", opts_to_apply=()))
-    return kernel
+    return kernel_gpu if gpu else kernel
+
+
+def _gpu(t: Tensor) -> bool:
+    return not str(t.device).startswith("CPU")
 
 
 def write_kv(pool_k: Tensor, pool_v: Tensor, src: Tensor, table: Tensor, runs: Sequence[Run], block_size: int,
@@ -156,7 +181,7 @@ def write_kv(pool_k: Tensor, pool_v: Tensor, src: Tensor, table: Tensor, runs: S
     W = pool_k.shape[1]
     tag = f"{src.shape[0]}x{W}_r{len(runs)}"
     out = Tensor.custom_kernel(pool_k.reshape(-1), pool_v.reshape(-1), src.contiguous(), table,
-                               fxn=_write_kernel(_kruns(runs), block_size, W, k_offset, v_offset, tag))
+                               fxn=_write_kernel(_kruns(runs), block_size, W, k_offset, v_offset, _gpu(src), tag))
     return out[:2]
 
 
@@ -171,10 +196,11 @@ def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, ru
     tag = f"{N}x{H}x{Hd}_r{len(runs)}"
     q = q.cast(F32).contiguous()
     s = Tensor.empty(N, H, max_context, dtype=F32, device=q.device)
+    gpu = _gpu(q)
     s = Tensor.custom_kernel(s, q, pool_k.reshape(-1), table,
-                             fxn=_scores_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, tag))[0]
+                             fxn=_scores_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, gpu, tag))[0]
     p = Tensor.empty(N, H, max_context, dtype=F32, device=q.device)
-    p = Tensor.custom_kernel(p, s, fxn=_softmax_kernel(runs, ctx, H, tag))[0]
+    p = Tensor.custom_kernel(p, s, fxn=_softmax_kernel(runs, ctx, H, gpu, tag))[0]
     o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
-    return Tensor.custom_kernel(o, p, pool_v.reshape(-1), table, fxn=_values_kernel(runs, ctx, block_size, H, n_kv_heads, Hd,
-                                                                          tag))[0]
+    return Tensor.custom_kernel(o, p, pool_v.reshape(-1), table,
+                                fxn=_values_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, gpu, tag))[0]
