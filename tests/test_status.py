@@ -125,7 +125,8 @@ def test_a_local_first_stage_comes_first():
 
 def test_build_status_is_json_and_complete():
     members = [member(1, "10.0.0.5", 4096), member(2, "10.0.0.6", 2048)]
-    infos = [proto.Info(0, 15, 30, 4096, False, "ab", "CPU", True), proto.Info(15, 30, 30, 2048, False, "ab", "METAL", True)]
+    infos = [proto.Info(0, 15, 30, 4096, False, "ab", "CPU", True, 256, 16),
+             proto.Info(15, 30, 30, 2048, False, "ab", "METAL", True)]
     st = build_status(
         model="smollm2", state="serving", chain="p2p", pool=1,
         stages=fleet_stages(members, infos),
@@ -147,6 +148,10 @@ def test_build_status_is_json_and_complete():
     assert "3 active / 8 slots, 2 queued" in text
     assert "peer 1 (10.0.0.5)" in text and "0..15" in text and "15.0" in text and "75%" in text
     assert "METAL" in text and "2048 MB" in text
+    assert (s1["kv_blocks"], s1["kv_block_size"], s2["kv_blocks"]) == (256, 16, None)
+    header, row1 = next((line, text.splitlines()[k + 1]) for k, line in enumerate(text.splitlines())
+                        if line.startswith("#"))
+    assert "KV pos" in header and "  4096  " in row1           # the first stage's KV pool: 256 blocks of 16
     assert "peer 1 (10.0.0.5) -> peer 2 (10.0.0.6) ws" in text
     assert "placement speed, predicts 41.2 tok/s decode, 812 tok/s prefill" in text
     assert "left out: peer 3 (10.0.0.7) is left out: 120 ms a layer" in text

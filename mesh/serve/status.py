@@ -9,7 +9,7 @@ async function here; `routes` serves it as GET /v1/mesh); drawing them is the pa
 Shape (every key always present; unknown figures are null):
     {"object": "mesh.status", "model": str, "state": the service's ("forming"|"serving"|"re-forming"|"stopped"), "detail": str,
      "chain": "p2p"|"hub"|null, "pool": int,
-     "stages": [{"name", "host", "device", "layers": [start, end], "memory_mb", "local": bool,
+     "stages": [{"name", "host", "device", "layers": [start, end], "memory_mb", "kv_blocks", "kv_block_size", "local",
                  "ms_per_step", "tok_per_s", "busy", "steps"}],
      "hops": [{"from", "to", "transport": "tcp"|"ws"|"webrtc"|null}],
      "scheduler": {"active", "queued", "max_seqs", "steps", "tokens_out", "prompt_tokens", "in_flight",
@@ -103,7 +103,10 @@ def build_status(*, model: str, state: str, detail: str = "", chain: str | None 
         out_stages.append({
             "name": str(s.get("name", f"stage {k + 1}")), "host": s.get("host") or None,
             "device": s.get("device") or None, "layers": list(layers) if layers else None,
-            "memory_mb": int(s["memory_mb"]) if s.get("memory_mb") else None, "local": bool(s.get("local")),
+            "memory_mb": int(s["memory_mb"]) if s.get("memory_mb") else None,
+            "kv_blocks": int(s["kv_blocks"]) if s.get("kv_blocks") else None,
+            "kv_block_size": int(s["kv_block_size"]) if s.get("kv_block_size") else None,
+            "local": bool(s.get("local")),
             "ms_per_step": _num(f.ms_per_step if f else None, 2), "tok_per_s": _num(f.tok_per_s if f else None, 1),
             "busy": _num(f.busy if f else None, 3), "steps": f.steps if f else None,
         })
@@ -152,7 +155,9 @@ def fleet_stages(members: Iterable[Any], infos: Sequence[Any], *, local: tuple[i
     for m, info in zip(members, infos):
         out.append({"name": m.name, "host": m.host, "device": getattr(info, "backend", "") or None,
                     "layers": [info.start, info.end] if getattr(info, "loaded", True) else None,
-                    "memory_mb": getattr(info, "memory_mb", 0) or getattr(m.join, "memory_mb", 0), "local": False})
+                    "memory_mb": getattr(info, "memory_mb", 0) or getattr(m.join, "memory_mb", 0),
+                    "kv_blocks": getattr(info, "kv_blocks", 0), "kv_block_size": getattr(info, "kv_block_size", 0),
+                    "local": False})
     return out
 
 
@@ -190,9 +195,10 @@ class StageHistory:
             del self._seen[key]
 
 
-async def snapshot(service: Any, history: StageHistory) -> dict:
+async def snapshot(service: Any, history: StageHistory, *, timeout: float = 2.0) -> dict:
     """The live status of a service (mesh/serve/app.py documents what a route may use of it): the session's fleet
-    and hops, the stages' counters (asked for now, p2p only), the scheduler's stats, the planner's prediction."""
+    and hops, the stages' counters (asked for now, p2p only; a stage that does not answer within `timeout` has no
+    figures this time), the scheduler's stats, the planner's decision."""
     coord = service.coord
     session = getattr(service, "session", None)
     fleet = session.fleet if session is not None else None
@@ -208,7 +214,7 @@ async def snapshot(service: Any, history: StageHistory) -> dict:
         if cfg.chain == "p2p" and members:
             transports = [transport_of_stream(members[0].link.stream), *transports]
         hops = fleet_hops(cfg.chain, [m.name for m in members], transports)
-        counters = await fleet.read_stats()
+        counters = await fleet.read_stats(timeout)
         keys = [(id(fleet), m.number) for m in members]
         history.forget_except(keys)
         figures = ([None] if local else []) + [history.figures(k, c) for k, c in zip(keys, counters)]
@@ -266,12 +272,14 @@ def format_status(st: Mapping[str, Any]) -> str:
         lines += [f"left out: {line}" for line in pl.get("left_out") or ()]
     stages = st.get("stages") or []
     if stages:
-        rows = [["#", "name", "device", "layers", "memory", "ms/step", "tok/s", "busy"]]
+        rows = [["#", "name", "device", "layers", "memory", "KV pos", "ms/step", "tok/s", "busy"]]
         for k, s in enumerate(stages):
             layers = s.get("layers")
             row = [str(k + 1), s.get("name") or "-", s.get("device") or "-",
                    f"{layers[0]}..{layers[1]}" if layers else "-",
-                   _cell(s.get("memory_mb"), "{} MB"), _cell(s.get("ms_per_step"), "{:.1f}"),
+                   _cell(s.get("memory_mb"), "{} MB"),
+                   "-" if not s.get("kv_blocks") else str(s["kv_blocks"] * (s.get("kv_block_size") or 1)),
+                   _cell(s.get("ms_per_step"), "{:.1f}"),
                    _cell(s.get("tok_per_s"), "{:.1f}"),
                    "-" if s.get("busy") is None else f"{100 * s['busy']:.0f}%"]
             rows.append(row)

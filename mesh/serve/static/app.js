@@ -247,7 +247,8 @@ function renderStatus(st) {
     const m = /^(.*) \((.*)\)$/.exec(stage.name);
     cell(row, m ? m[1] : stage.name, "", m ? m[2] : stage.host || "");
     cell(row, stage.device || "–", "", stage.memory_mb ? `${(stage.memory_mb / 1024).toFixed(1)} GB` : "");
-    cell(row, stage.layers ? `${stage.layers[0]}..${stage.layers[1]}` : "–");
+    cell(row, stage.layers ? `${stage.layers[0]}..${stage.layers[1]}` : "–", "",
+         stage.kv_blocks ? `KV ${stage.kv_blocks * (stage.kv_block_size || 1)} pos` : "");
     cell(row, fmt(stage.ms_per_step, 1), "num");
     cell(row, fmt(stage.tok_per_s, 1), "num",
          stage.busy !== null && stage.busy !== undefined ? `${Math.round(100 * stage.busy)}% busy` : "");
