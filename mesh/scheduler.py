@@ -1,176 +1,449 @@
-"""Sequences through a formed chain: admission, a bounded queue, slots, and each sequence's tokens to its reader.
+"""Continuous batching through a chain: many sequences share the stages' KV slots and every step.
 
-THIN VERSION (helper "api", issue 11): one sequence at a time through `mesh.pipeline.generate`, behind the
-interface the continuous-batching scheduler (helper "sched") keeps; that one replaces this file. What the interface
-promises, and this version keeps:
-- `open(req)` checks the request (ValueError names what is wrong) and the queue bound (QueueFull) at once, before
-  anything waits; a Generation holds a place from then until its `async with` is left.
-- Leaving the `async with` early (a client gone, a stop string seen) frees the place: a queued one is dropped, the
-  running one stops before its next step (a step already sent down the chain is collected first, so the chain never
-  holds an answer nobody reads).
-- When the chain fails (`run` raises), every open Generation's reader gets a SessionError instead of waiting forever.
+    sched = Scheduler(pipe, n_slots=9, max_context=2048)
+    nursery.start_soon(sched.run)
+    async with sched.open(Request(prompt_ids, max_tokens=64, sampling=Sampling(), stop_ids=eos)) as g:
+        async for tok in g:
+            ...
+
+Requests wait in a bounded queue (`QueueFull` past it) and are admitted between steps into free KV slots. The
+sequences in slots are cut into micro-batches, each one step of Columns: a decode batch (one column for each of several
+sequences, each with its own Sampling) or one sequence's prefill chunk (at most `prefill_chunk` prompt columns, so a
+long prompt never holds the decoding streams for more than one chunk at a time). With S stages up to S micro-batches
+are in flight at once: in peer-to-peer mode stage 1 computes one while stage 2 computes the one before it.
+
+The decisions (admission, micro-batches, fairness, slot freeing, why a lone decode column gets a companion) are in
+NOTES.md, "Mesh", "Scheduler". The bookkeeping is a sans-IO core (`_Core`: admit, form, apply, release) that reads no
+clock and awaits nothing; `Scheduler` drives it with one submitting task and one collecting task.
 """
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
 
 import trio
 
-from common.values import Sampling
-from mesh.errors import MeshError, SessionError
-from mesh.pipeline import Pipeline, generate
+from engine.stage import Column, Sampling
+from mesh import proto
+from mesh.errors import MeshError, single_errors
+from mesh.pipeline import ChainPipeline, LocalPipeline, Pipeline
+
+__all__ = ["Request", "Generation", "Scheduler", "SchedulerStats", "SchedulerError", "QueueFull", "SchedulerStopped"]
+
+FinishReason = Literal["stop", "length"]
+
+
+class SchedulerError(MeshError):
+    """Base of the scheduler's errors."""
+
+
+class QueueFull(SchedulerError):
+    """Every slot is busy and the waiting queue is at its bound: come back later (HTTP 429/503)."""
+
+
+class SchedulerStopped(SchedulerError):
+    """The scheduler is not running (any more): its session ended or failed. The reason says which."""
 
 
 @dataclass(frozen=True)
 class Request:
+    """One generation: prompt token ids, at most `max_tokens` new ones; a token in `stop_ids` ends it unemitted."""
     prompt_ids: tuple[int, ...]
     max_tokens: int
-    sampling: Sampling
-    stop_ids: frozenset[int]          # e.g. eos; a stop id ends the sequence and is not emitted
-
-
-class SchedulerError(MeshError):
-    """The scheduler cannot take or finish a sequence."""
-
-
-class QueueFull(SchedulerError):
-    """Every slot is busy and the queue is at its bound: try again later (HTTP 429 with Retry-After)."""
+    sampling: Sampling = Sampling()
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    active: int
-    queued: int
+    active: int                 # sequences holding a KV slot
+    queued: int                 # requests waiting for one
     max_seqs: int
-    steps: int
-    tokens_out: int
+    steps: int                  # micro-batches computed so far
+    tokens_out: int             # tokens handed to consumers so far
+    prompt_tokens: int          # prompt columns prefilled so far
+    in_flight: int              # micro-batches in the pipeline now
+    micro_batches: int          # how many may be in flight at once (the number of stages in p2p mode)
+    step_ms: float | None       # mean submit-to-answer time of recent micro-batches
+    stage_ms: tuple[float, ...] | None = None   # per stage, where the pipeline reports it
 
 
-class _Abandoned(Exception):
-    """The reader left: stop this sequence between steps."""
+# ---- the sans-IO core ------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Seq:
+    """A generation's state inside the scheduler."""
+    gen: "Generation"
+    req: Request
+    limit: int                  # tokens it may emit (max_tokens, cut to what the context holds)
+    slot: int = -1
+    fed: int = 0                # prompt columns submitted so far
+    pos: int = 0                # the position the next decode column feeds
+    next_tok: int = -1          # the token that column feeds (-1: none yet)
+    emitted: int = 0
+    in_flight: int = 0          # micro-batches holding one of its columns
+    ending: bool = False        # finished or abandoned: no more columns; the slot goes once in_flight is 0
+    ready_since: int = 0        # core tick when it became ready to decode (oldest first)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.req.prompt_ids)
 
 
-_END = object()
+@dataclass
+class _Batch:
+    """One micro-batch: its columns, the sequence of each column (None: the scratch companion), the sampling."""
+    cols: list[Column]
+    seqs: list[_Seq | None]
+    sampling: Sampling | list[Sampling]
+    kind: Literal["decode", "prefill"]
+    submitted: float = 0.0
 
+
+class _Core:
+    """Slots, the waiting queue and the choice of the next micro-batch. Pure bookkeeping: nothing here awaits.
+
+    `scratch` is a slot no sequence ever holds: a decode batch of one column gets a second column there (position
+    0, token 0, its token dropped), so every decode step of every sequence runs the batched kernels, and a sequence's
+    tokens do not depend on how many others share its steps (NOTES "Scheduler": the one-column step uses the matvec,
+    several columns the GEMM, and the two differ in low bits)."""
+
+    def __init__(self, *, slots: Sequence[int], scratch: int | None, max_queue: int, depth: int,
+                 prefill_chunk: int, per_column: bool):
+        self.free: deque[int] = deque(slots)
+        self.max_seqs = len(self.free)
+        self.scratch = scratch
+        self.max_queue = max_queue
+        self.depth = depth
+        self.prefill_chunk = prefill_chunk
+        self.per_column = per_column
+        self.queue: deque[_Seq] = deque()
+        self.active: list[_Seq] = []        # in admission order
+        self.tick = 0
+        self.prefill_turn = False           # alternation between decode batches and prefill chunks
+        self.steps = self.tokens_out = self.prompt_tokens = 0
+
+    # admission
+    def enqueue(self, seq: _Seq) -> None:
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull(f"all {self.max_seqs} sequence slots are busy and {len(self.queue)} requests wait "
+                            f"(the queue holds {self.max_queue}); retry later")
+        self.queue.append(seq)
+
+    def admit(self) -> list[_Seq]:
+        """Queue -> free slots, first come first served."""
+        out = []
+        while self.queue and self.free:
+            seq = self.queue.popleft()
+            seq.slot = self.free.popleft()
+            self.active.append(seq)
+            out.append(seq)
+        return out
+
+    def drop_queued(self, seq: _Seq) -> bool:
+        try:
+            self.queue.remove(seq)
+        except ValueError:
+            return False
+        return True
+
+    def releasable(self) -> list[_Seq]:
+        """Ended sequences with nothing in flight: their slots can be zeroed and reused."""
+        done = [s for s in self.active if s.ending and s.in_flight == 0]
+        for s in done:
+            self.active.remove(s)
+        return done
+
+    def release(self, seq: _Seq) -> None:
+        self.free.append(seq.slot)
+
+    # micro-batches
+    def form(self) -> _Batch | None:
+        """The next micro-batch to submit, or None when there is nothing to do now.
+
+        Decode batches and prefill chunks alternate while both are waiting, so a long prompt delays each decoding
+        stream by at most one chunk at a time and a new request's first token is not starved by decoding ones. A
+        decode batch takes the sequences that waited longest, at most ceil(decoding / depth) of them, so the
+        decoding sequences spread over `depth` micro-batches that follow each other through the stages."""
+        live = [s for s in self.active if not s.ending]
+        ready = sorted((s for s in live if not s.prefilling and s.in_flight == 0 and s.next_tok >= 0),
+                       key=lambda s: s.ready_since)
+        prefill = [s for s in live if s.prefilling]
+        if not ready and not prefill:
+            return None
+        if prefill and (self.prefill_turn or not ready):
+            self.prefill_turn = False
+            return self._prefill(prefill[0])
+        self.prefill_turn = bool(prefill)
+        decoding = sum(1 for s in live if not s.prefilling)
+        cap = max(1, math.ceil(decoding / self.depth))
+        if not self.per_column:       # the wire carries one Sampling per step: a batch shares it
+            ready = [s for s in ready if s.req.sampling == ready[0].req.sampling]
+        return self._decode(ready[:cap])
+
+    def _prefill(self, seq: _Seq) -> _Batch:
+        ids = seq.req.prompt_ids
+        a = seq.fed
+        b = min(len(ids), a + self.prefill_chunk)
+        cols = [Column(p, seq.slot, p == len(ids) - 1, ids[p]) for p in range(a, b)]
+        seq.fed = b
+        seq.in_flight += 1
+        self.prompt_tokens += b - a
+        return _Batch(cols, [seq] * len(cols), seq.req.sampling, "prefill")
+
+    def _decode(self, seqs: list[_Seq]) -> _Batch:
+        cols = [Column(s.pos, s.slot, True, s.next_tok) for s in seqs]
+        owners: list[_Seq | None] = list(seqs)
+        samplings = [s.req.sampling for s in seqs]
+        if len(cols) == 1 and self.scratch is not None:
+            cols.append(Column(0, self.scratch, True, 0))
+            owners.append(None)
+            samplings.append(Sampling() if self.per_column else samplings[0])
+        for s in seqs:
+            s.in_flight += 1
+            s.next_tok = -1
+        sampling = samplings if self.per_column and len(set(samplings)) > 1 else samplings[0]
+        return _Batch(cols, owners, sampling, "decode")
+
+    def apply(self, batch: _Batch, tokens: Sequence[int]) -> list[tuple[_Seq, int | None, str | None]]:
+        """A micro-batch's answer: one token per needs_logits column. Returns (seq, token to emit or None,
+        finish reason or None) for each sequence that got a token."""
+        self.steps += 1
+        picks = [s for c, s in zip(batch.cols, batch.seqs) if c.needs_logits]
+        if len(tokens) != len(picks):
+            raise SchedulerError(f"a step of {len(batch.cols)} columns answered {len(tokens)} tokens for "
+                                 f"{len(picks)} columns that need logits")
+        for s in set(s for s in batch.seqs if s is not None):
+            s.in_flight -= 1
+        out = []
+        self.tick += 1
+        for s, tok in zip(picks, tokens):
+            if s is None or s.ending:
+                continue
+            tok = int(tok)
+            if batch.kind == "decode":
+                s.pos += 1
+            else:
+                s.pos = len(s.req.prompt_ids)
+            if tok in s.req.stop_ids:
+                s.ending = True
+                out.append((s, None, "stop"))
+                continue
+            s.emitted += 1
+            self.tokens_out += 1
+            if s.emitted >= s.limit:
+                s.ending = True
+                out.append((s, tok, "length"))
+            else:
+                s.next_tok, s.ready_since = tok, self.tick
+                out.append((s, tok, None))
+        return out
+
+
+# ---- the consumer's side ---------------------------------------------------------------------------------------
 
 class Generation:
-    """One sequence: `async with scheduler.open(req) as g: async for tok in g: ...`."""
+    """One request's tokens: `async with sched.open(req) as g: async for tok in g`. Leaving the `async with` early
+    (a client that disconnects) ends the sequence: no more steps are submitted for it and its slot is zeroed and
+    reused as soon as the steps already in the pipeline come back."""
 
-    def __init__(self, scheduler: "Scheduler", req: Request, limit: int):
-        self._scheduler, self.request, self.limit = scheduler, req, limit
-        # a token is handed over from inside generate()'s synchronous callback: room for all of them up front
-        self._send, self._receive = trio.open_memory_channel(limit + 2)
-        self.finish_reason: str | None = None
+    def __init__(self, sched: "Scheduler", req: Request, limit: int):
+        self._sched = sched
+        self.request = req
         self.prompt_tokens = len(req.prompt_ids)
         self.completion_tokens = 0
-        self.closed = False
+        self.finish_reason: FinishReason | None = None
+        self.created = time.monotonic()
+        self.first_token_at: float | None = None
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+        self._error: BaseException | None = None
+        self._seq = _Seq(self, req, limit)
 
     async def __aenter__(self) -> "Generation":
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.closed = True
-        self._scheduler._forget(self)
+        self.close()
+
+    def close(self) -> None:
+        """Stop this generation (idempotent); what it holds is freed by the scheduler at its next turn."""
+        self._sched._leave(self._seq)
+        self._receive.close()
 
     def __aiter__(self) -> "Generation":
         return self
 
     async def __anext__(self) -> int:
-        item = await self._receive.receive()
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def _end(self, item=_END) -> None:
         try:
-            self._send.send_nowait(item)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            if self._error is not None:
+                raise self._error from None
+            raise StopAsyncIteration from None
+        except trio.ClosedResourceError:
+            raise StopAsyncIteration from None
 
+    # the scheduler's side
+    def _emit(self, tok: int | None, reason: str | None) -> None:
+        if tok is not None:
+            self.completion_tokens += 1
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            try:
+                self._send.send_nowait(tok)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        if reason is not None:
+            self.finish_reason = reason      # type: ignore[assignment]
+            self._send.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._send.close()
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------
 
 class Scheduler:
-    def __init__(self, pipe: Pipeline, *, n_slots: int, max_context: int, max_queue: int = 64):
-        if n_slots < 1 or max_queue < 0:
-            raise ValueError(f"n_slots must be >= 1 and max_queue >= 0 (got {n_slots}, {max_queue})")
-        self.pipe, self.n_slots, self.max_context, self.max_queue = pipe, n_slots, max_context, max_queue
-        self._waiting: collections.deque[Generation] = collections.deque()
-        self._running: Generation | None = None
-        self._open: set[Generation] = set()
-        self._wake = trio.Event()
-        self._steps = 0
-        self._tokens = 0
-        self._failed: BaseException | None = None
+    """Continuous batching over a Pipeline.
 
+    n_slots: KV slots each stage was loaded with. With `batch_invariant` (default) the last one is a scratch slot
+    (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots. `micro_batches`: how many steps may
+    be in flight (default: the number of stages in p2p mode, else 1: hub and local pipelines compute a step only
+    when it is collected). `prefill_chunk`: prompt columns per prefill step (a multiple of the engine's prefill
+    bucket keeps a prompt's chunks, and so its bits, the same as prefilling it alone). `vocab_size`: checks ids."""
+
+    def __init__(self, pipe: Pipeline, *, n_slots: int, max_context: int, max_queue: int = 64,
+                 max_seqs: int | None = None, micro_batches: int | None = None, prefill_chunk: int = 16,
+                 batch_invariant: bool = True, vocab_size: int | None = None):
+        if n_slots < (2 if batch_invariant else 1):
+            raise ValueError(f"n_slots={n_slots}: need at least {2 if batch_invariant else 1}"
+                             + (" (one is the scratch slot of batch_invariant)" if batch_invariant else ""))
+        usable = n_slots - 1 if batch_invariant else n_slots
+        max_seqs = usable if max_seqs is None else max_seqs
+        if not 1 <= max_seqs <= usable:
+            raise ValueError(f"max_seqs={max_seqs} is outside [1, {usable}] for {n_slots} slots")
+        if max_queue < 0 or prefill_chunk < 1 or max_context < 2:
+            raise ValueError(f"bad scheduler limits: max_queue={max_queue}, prefill_chunk={prefill_chunk}, "
+                             f"max_context={max_context}")
+        if micro_batches is None:
+            micro_batches = len(pipe.names) + (pipe.local is not None) if isinstance(pipe, ChainPipeline) else 1
+        self.pipe = pipe
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        per_column = bool(getattr(pipe, "per_column_sampling", isinstance(pipe, LocalPipeline)))
+        self._core = _Core(slots=range(max_seqs), scratch=n_slots - 1 if batch_invariant else None,
+                           max_queue=max_queue, depth=max(1, micro_batches), prefill_chunk=prefill_chunk,
+                           per_column=per_column)
+        self._wake = trio.Event()
+        self._running = False
+        self._stopped: SchedulerStopped | None = None
+        self._step_ms: deque[float] = deque(maxlen=32)
+        self._in_flight = 0
+        self._idle = trio.Event()           # set while nothing is queued, active or in flight
+
+    # the public face
     def open(self, req: Request) -> Generation:
+        """Queue a request. Raises ValueError naming what is wrong with it, QueueFull, or SchedulerStopped."""
+        if self._stopped is not None:
+            raise self._stopped
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens!r}")
         if n >= self.max_context:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_context}, and at least one "
-                             f"must be left for the answer")
-        if req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {req.max_tokens})")
-        if self._failed is not None:
-            raise SessionError(f"the mesh session has ended: {self._failed}")
-        if len(self._open) >= self.n_slots + self.max_queue:
-            raise QueueFull(f"{self.n_slots} sequences are running and {self.max_queue} are queued")
-        gen = Generation(self, req, min(req.max_tokens, self.max_context - n))
-        self._open.add(gen)
-        self._waiting.append(gen)
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_context}, so at most "
+                             f"{self.max_context - 1} can be prompt")
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_ids):
+            bad = next(t for t in req.prompt_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if not isinstance(req.sampling, Sampling):
+            raise ValueError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
+        # the prompt fills positions [0, n); token k (k >= 1) is fed at n + k - 1, the last one never
+        gen = Generation(self, req, min(req.max_tokens, self.max_context - n + 1))
+        self._core.enqueue(gen._seq)
         self._wake.set()
         return gen
 
     def stats(self) -> SchedulerStats:
-        active = len(self._open) - len(self._waiting)
-        return SchedulerStats(active=active, queued=len(self._waiting), max_seqs=self.n_slots, steps=self._steps,
-                              tokens_out=self._tokens)
+        c = self._core
+        return SchedulerStats(active=len(c.active), queued=len(c.queue), max_seqs=c.max_seqs, steps=c.steps,
+                              tokens_out=c.tokens_out, prompt_tokens=c.prompt_tokens, in_flight=self._in_flight,
+                              micro_batches=c.depth,
+                              step_ms=sum(self._step_ms) / len(self._step_ms) if self._step_ms else None)
 
-    def _forget(self, gen: Generation) -> None:
-        self._open.discard(gen)
-        if gen in self._waiting:
-            self._waiting.remove(gen)
+    async def wait_idle(self) -> None:
+        """Return once nothing is queued, active or in flight (every slot freed); at once if so already."""
+        while not self._idle.is_set():
+            await self._idle.wait()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        """Drive steps until cancelled or the pipeline fails (the error is raised here and every open generation's
+        iteration raises SchedulerStopped naming it)."""
+        if self._running or self._stopped is not None:
+            raise SchedulerError("a Scheduler runs once")
+        self._running = True
+        reason = "the scheduler was stopped"
         try:
-            while True:
-                while not self._waiting:
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                gen = self._waiting.popleft()
-                if not gen.closed:
-                    self._running = gen
-                    try:
-                        await self._generate(gen)
-                    finally:
-                        self._running = None
+            send, receive = trio.open_memory_channel(math.inf)
+            with single_errors():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._collect, receive)
+                    task_status.started()
+                    await self._submit_loop(send)
         except BaseException as exc:
-            why = exc if isinstance(exc, MeshError) else "the mesh session ended"
-            self._failed = why
-            for gen in list(self._open):
-                gen._end(SessionError(str(why)))
+            if not isinstance(exc, trio.Cancelled):
+                reason = f"the scheduler stopped: {exc}"
             raise
+        finally:
+            self._stop(reason)
 
-    async def _generate(self, gen: Generation) -> None:
-        req = gen.request
-
-        def on_token(tok: int) -> None:
-            self._steps += 1
-            if gen.closed:
-                raise _Abandoned()
-            if tok in req.stop_ids:
-                gen.finish_reason = "stop"
-                return
-            gen.completion_tokens += 1
-            self._tokens += 1
-            gen._send.send_nowait(tok)
-        try:
-            result = await generate(self.pipe, list(req.prompt_ids), max_tokens=gen.limit, sampling=req.sampling,
-                                    eos_ids=req.stop_ids, on_token=on_token)
-        except _Abandoned:
+    # internals
+    def _leave(self, seq: _Seq) -> None:
+        if seq.ending:
             return
-        gen.finish_reason = "stop" if result.stopped_by_eos else "length"
-        gen._end()
+        seq.ending = True
+        if self._core.drop_queued(seq):
+            return
+        self._wake.set()
+
+    def _stop(self, reason: str) -> None:
+        self._stopped = SchedulerStopped(reason)
+        c = self._core
+        for seq in [*c.queue, *c.active]:
+            seq.ending = True
+            if seq.gen.finish_reason is None:
+                seq.gen._fail(self._stopped)
+        c.queue.clear()
+
+    async def _submit_loop(self, send) -> None:
+        core = self._core
+        while True:
+            self._wake = trio.Event()
+            for seq in core.releasable():       # ended, nothing in flight: clear the slot, then reuse it
+                await self.pipe.inband(proto.ZeroSlot(seq.slot))
+                core.release(seq)
+            core.admit()
+            while self._in_flight < core.depth and (batch := core.form()) is not None:
+                batch.submitted = time.monotonic()
+                group = await self.pipe.submit(batch.cols, batch.sampling)
+                self._in_flight += 1
+                send.send_nowait((group, batch))
+            if not (core.active or core.queue or self._in_flight):
+                self._idle.set()
+            elif self._idle.is_set():
+                self._idle = trio.Event()
+            await self._wake.wait()
+
+    async def _collect(self, receive) -> None:
+        async for group, batch in receive:
+            tokens = await self.pipe.collect(group)
+            self._in_flight -= 1
+            self._step_ms.append((time.monotonic() - batch.submitted) * 1000)
+            for seq, tok, reason in self._core.apply(batch, tokens):
+                seq.gen._emit(tok, reason)
+            self._wake.set()

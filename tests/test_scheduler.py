@@ -1,0 +1,288 @@
+"""The scheduler: many sequences through one pipeline at once, each one's tokens bitwise those of running it alone.
+
+A tiny random model in this process (the engine's Stage behind LocalPipeline) for the unsharded cases, and a real
+3-peer chain (in-process peers, each with its worker process, the coordinator's p2p wiring) for the chain case.
+Arrivals are tied to other streams' tokens, not to the clock, so every run interleaves the same way.
+"""
+from __future__ import annotations
+
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import numpy as np
+import pytest
+import trio
+
+from engine.stage import Sampling, Stage
+from mesh import proto
+from mesh.coordinator import CoordConfig, Coordinator
+from mesh.peer import Peer, PeerConfig
+from mesh.pipeline import LocalPipeline, Pipeline
+from mesh.scheduler import QueueFull, Request, Scheduler, SchedulerStopped, _Core, _Seq
+from tests.mesh_fixtures import write_tiny_chat_model
+
+N_LAYERS = 3
+N_SLOTS = 9            # 8 sequences and the scratch slot
+CONTEXT = 256
+TOKEN = b"scheduler-test-token"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_layers=N_LAYERS)
+
+
+class InProcess:
+    """A Stage as the LocalStage a pipeline drives (the worker client's methods, without the process)."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+        self.zeroed: list[int] = []
+
+    async def step(self, cols, hidden, sampling):
+        await trio.lowlevel.checkpoint()
+        return self.stage.step(cols, hidden, sampling)
+
+    async def zero_slot(self, slot):
+        self.zeroed.append(slot)
+        self.stage.zero_slot(slot)
+
+    async def rollback(self, slot, pos):
+        self.stage.rollback(slot, pos)
+
+
+@pytest.fixture(scope="module")
+def stage(model):
+    return Stage.load(model, 0, N_LAYERS, n_slots=N_SLOTS, max_context=CONTEXT)
+
+
+@pytest.fixture
+def local(stage):
+    stage.reset()
+    return InProcess(stage)
+
+
+def streams() -> list[Request]:
+    """8 requests: prompt lengths across the prefill chunk's edges (1, 15, 16, 17, 40 ...), different max_tokens."""
+    rng = np.random.default_rng(7)
+    lengths = [5, 17, 40, 1, 33, 16, 64, 9]
+    max_tokens = [30, 22, 26, 28, 3, 18, 14, 25]
+    return [Request(tuple(int(t) for t in rng.integers(3, 250, n)), m, Sampling(), frozenset())
+            for n, m in zip(lengths, max_tokens)]
+
+
+async def run_alone(pipe: Pipeline, req: Request, **kw) -> list[int]:
+    sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT, **kw)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with sched.open(req) as g:
+            out = [t async for t in g]
+        nursery.cancel_scope.cancel()
+    return out
+
+
+async def run_together(pipe: Pipeline, reqs: list[Request], **kw) -> tuple[list[list[int]], int]:
+    """Stream i arrives when stream i-1 has emitted its first token (stream 0 at once); returns the outputs and the
+    most sequences seen active at once."""
+    sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT, **kw)
+    outs: list[list[int]] = [[] for _ in reqs]
+    arrived = [trio.Event() for _ in reqs]
+    peak = [0]
+
+    async def consume(i: int) -> None:
+        if i:
+            await arrived[i - 1].wait()
+        async with sched.open(reqs[i]) as g:
+            async for tok in g:
+                outs[i].append(tok)
+                peak[0] = max(peak[0], sched.stats().active)
+                if len(outs[i]) == 1:
+                    arrived[i].set()
+        arrived[i].set()
+        assert g.finish_reason == "length" and g.completion_tokens == len(outs[i]) == reqs[i].max_tokens
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with trio.open_nursery() as clients:
+            for i in range(len(reqs)):
+                clients.start_soon(consume, i)
+        st = sched.stats()
+        assert (st.active, st.queued, st.in_flight) == (0, 0, 0)
+        nursery.cancel_scope.cancel()
+    return outs, peak[0]
+
+
+async def test_eight_streams_unsharded_equal_each_stream_alone(local):
+    pipe = LocalPipeline(local)
+    reqs = streams()
+    together, peak = await run_together(pipe, reqs)
+    assert peak >= 6                                  # they really shared steps
+    for i, req in enumerate(reqs):
+        assert together[i] == await run_alone(pipe, req), f"stream {i}"
+    assert local.stage._lengths[:N_SLOTS - 1] == [0] * (N_SLOTS - 1)   # every slot zeroed after use
+
+
+async def test_per_sequence_sampling_and_seeds_in_one_batch(local):
+    pipe = LocalPipeline(local)
+    base = streams()
+    reqs = [Request(r.prompt_ids, r.max_tokens, Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i)
+                    if i % 2 else Sampling(), frozenset()) for i, r in enumerate(base)]
+    together, _ = await run_together(pipe, reqs)
+    for i, req in enumerate(reqs):
+        assert together[i] == await run_alone(pipe, req), f"stream {i}"
+    assert together[1] != await run_alone(pipe, Request(reqs[1].prompt_ids, reqs[1].max_tokens,
+                                                        Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=5)))
+
+
+async def test_a_stop_id_ends_the_stream_and_is_not_emitted(local):
+    pipe = LocalPipeline(local)
+    req = streams()[2]
+    full = await run_alone(pipe, req)
+    stop = full[4]
+    cut = full[:full.index(stop)]
+    sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with sched.open(Request(req.prompt_ids, req.max_tokens, Sampling(), frozenset({stop}))) as g:
+            assert [t async for t in g] == cut
+        assert g.finish_reason == "stop" and g.completion_tokens == len(cut) and g.prompt_tokens == 40
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hundred_consumers_that_leave_mid_stream_hold_no_slot(local):
+    pipe = LocalPipeline(local)
+    sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT, max_seqs=4, max_queue=100)
+    rng = np.random.default_rng(3)
+    got = []
+
+    async def consume(i: int) -> None:
+        prompt = tuple(int(t) for t in rng.integers(3, 250, 1 + i % 20))
+        async with sched.open(Request(prompt, 50, Sampling(), frozenset())) as g:
+            async for _ in g:
+                if g.completion_tokens >= i % 3 + 1:
+                    break               # the client goes away mid-stream
+        got.append(g.completion_tokens)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with trio.open_nursery() as clients:
+            for i in range(100):
+                clients.start_soon(consume, i)
+        with trio.fail_after(30):        # the last leavers' slots are zeroed at the scheduler's next turn
+            await sched.wait_idle()
+        st = sched.stats()
+        assert (st.active, st.queued, len(sched._core.free)) == (0, 0, 4)
+        nursery.cancel_scope.cancel()
+    assert len(got) == 100 and all(n >= 1 for n in got)
+    assert len(local.zeroed) == 100                   # one ZeroSlot for each sequence
+    assert set(local.zeroed) == {0, 1, 2, 3} and local.stage._lengths[:4] == [0, 0, 0, 0]
+
+
+class NoPipe(Pipeline):
+    """A pipeline nobody answers: for what the scheduler decides before any step."""
+
+    def __init__(self):
+        super().__init__(None, ["nobody"])
+
+
+def test_the_bounded_queue_raises_queue_full():
+    sched = Scheduler(NoPipe(), n_slots=3, max_context=64, max_queue=2)
+    req = Request((1, 2, 3), 4, Sampling(), frozenset())
+    sched.open(req), sched.open(req)
+    with pytest.raises(QueueFull, match="queue holds 2"):
+        sched.open(req)
+    assert sched.stats().queued == 2
+
+
+def test_bad_requests_are_named():
+    sched = Scheduler(NoPipe(), n_slots=3, max_context=64, vocab_size=100)
+    for req, msg in [(Request((), 4), "prompt is empty"), (Request((1,), 0), "max_tokens must be at least 1"),
+                     (Request(tuple(range(64)), 4), "prompt has 64 tokens; the context holds 64"),
+                     (Request((1, 100), 4), "token id 100 is outside the vocabulary")]:
+        with pytest.raises(ValueError, match=msg):
+            sched.open(req)
+
+
+async def test_a_failing_pipeline_stops_every_generation():
+    class Broken(NoPipe):
+        async def submit(self, cols, sampling):
+            return self.next_group()
+
+        async def collect(self, group):
+            raise proto.ProtocolError(proto.ErrorCode.INTERNAL, "stage 2 is gone")
+
+    sched = Scheduler(Broken(), n_slots=3, max_context=64)
+    g = sched.open(Request((1, 2), 4))
+    with pytest.raises(proto.ProtocolError):
+        await sched.run()
+    with pytest.raises(SchedulerStopped, match="stage 2 is gone"):
+        async with g:
+            async for _ in g:
+                pass
+    with pytest.raises(SchedulerStopped):
+        sched.open(Request((1, 2), 4))
+
+
+def test_a_long_prompt_never_holds_decoding_streams_for_more_than_one_chunk():
+    core = _Core(slots=range(4), scratch=4, max_queue=8, depth=1, prefill_chunk=16, per_column=True)
+    decoding = [_Seq(None, Request((1,) * 3, 100), 100) for _ in range(2)]
+    for s in decoding:
+        core.enqueue(s)
+    core.admit()
+    for s in decoding:                 # both already past their prompts
+        s.fed, s.pos, s.next_tok = 3, 3, 7
+    long = _Seq(None, Request((1,) * 100, 5), 5)
+    core.enqueue(long)
+    core.admit()
+    kinds = []
+    while long.prefilling:
+        b = core.form()
+        kinds.append((b.kind, len(b.cols)))
+        core.apply(b, [9] * sum(c.needs_logits for c in b.cols))
+    # decode batches of both streams alternate with chunks of at most 16 prompt columns
+    assert kinds[:4] == [("decode", 2), ("prefill", 16), ("decode", 2), ("prefill", 16)]
+    assert max(n for k, n in kinds if k == "prefill") <= 16 and kinds.count(("decode", 2)) >= 6
+
+
+def test_decoding_streams_spread_over_the_micro_batches_in_flight():
+    core = _Core(slots=range(8), scratch=8, max_queue=8, depth=3, prefill_chunk=16, per_column=True)
+    seqs = [_Seq(None, Request((1,), 100), 100) for _ in range(8)]
+    for s in seqs:
+        core.enqueue(s)
+    core.admit()
+    for s in seqs:
+        s.fed, s.pos, s.next_tok = 1, 1, 7
+    sizes = []
+    while (b := core.form()) is not None:
+        sizes.append(len(b.cols))
+    assert sizes == [3, 3, 2]           # three micro-batches, every sequence in one
+
+
+@asynccontextmanager
+async def three_peer_chain(model, n_slots: int):
+    """A coordinator and 3 in-process peers (each computes in its own worker process), wired peer to peer."""
+    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=TOKEN, min_peers=3, settle=0.2, wait=60,
+                      n_slots=n_slots, max_context=CONTEXT, warmup=0)
+    async with trio.open_nursery() as nursery:
+        coord = Coordinator(cfg)
+        port = await coord.serve_registry(nursery)
+        for _ in range(3):
+            peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, listen="127.0.0.1:0", model=model,
+                                   n_slots=n_slots, max_context=CONTEXT, warmup=0))
+            nursery.start_soon(peer.run)
+        async with AsyncExitStack() as stack:
+            _, pipe = await coord.form(nursery, stack)
+            yield pipe
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow    # three worker processes, each compiling its step shapes (~25 s with tinygrad's caches warm)
+async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_alone(model, local):
+    reqs = streams()
+    alone = [await run_alone(LocalPipeline(local), r) for r in reqs]
+    with trio.fail_after(300):
+        async with three_peer_chain(model, N_SLOTS) as pipe:
+            # 3 micro-batches in flight; 6 slots keep every decode batch at 2 columns (fewer shapes to compile)
+            together, peak = await run_together(pipe, reqs, micro_batches=3, max_seqs=6)
+    assert peak == 6
+    for i in range(len(reqs)):
+        assert together[i] == alone[i], f"stream {i}"
