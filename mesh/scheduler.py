@@ -26,10 +26,10 @@ from typing import Literal, Sequence
 
 import trio
 
-from engine.stage import Column, Sampling
+from common.values import Column, Sampling
 from mesh import proto
 from mesh.errors import MeshError, single_errors
-from mesh.pipeline import ChainPipeline, LocalPipeline, Pipeline
+from mesh.pipeline import ChainPipeline, Pipeline
 
 __all__ = ["Request", "Generation", "Scheduler", "SchedulerStats", "SchedulerError", "QueueFull", "SchedulerStopped"]
 
@@ -112,14 +112,13 @@ class _Core:
     several columns the GEMM, and the two differ in low bits)."""
 
     def __init__(self, *, slots: Sequence[int], scratch: int | None, max_queue: int, depth: int,
-                 prefill_chunk: int, per_column: bool):
+                 prefill_chunk: int):
         self.free: deque[int] = deque(slots)
         self.max_seqs = len(self.free)
         self.scratch = scratch
         self.max_queue = max_queue
         self.depth = depth
         self.prefill_chunk = prefill_chunk
-        self.per_column = per_column
         self.queue: deque[_Seq] = deque()
         self.active: list[_Seq] = []        # in admission order
         self.tick = 0
@@ -180,8 +179,6 @@ class _Core:
         self.prefill_turn = bool(prefill)
         decoding = sum(1 for s in live if not s.prefilling)
         cap = max(1, math.ceil(decoding / self.depth))
-        if not self.per_column:       # the wire carries one Sampling per step: a batch shares it
-            ready = [s for s in ready if s.req.sampling == ready[0].req.sampling]
         return self._decode(ready[:cap])
 
     def _prefill(self, seq: _Seq) -> _Batch:
@@ -201,11 +198,11 @@ class _Core:
         if len(cols) == 1 and self.scratch is not None:
             cols.append(Column(0, self.scratch, True, 0))
             owners.append(None)
-            samplings.append(Sampling() if self.per_column else samplings[0])
+            samplings.append(Sampling())
         for s in seqs:
             s.in_flight += 1
             s.next_tok = -1
-        sampling = samplings if self.per_column and len(set(samplings)) > 1 else samplings[0]
+        sampling = samplings if len(set(samplings)) > 1 else samplings[0]   # one per logits column, or one for all
         return _Batch(cols, owners, sampling, "decode")
 
     def apply(self, batch: _Batch, tokens: Sequence[int]) -> list[tuple[_Seq, int | None, str | None]]:
@@ -257,7 +254,7 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.created = time.monotonic()
-        self.first_token_at: float | None = None
+        self.token_times: list[float] = []    # time.monotonic() when each token was handed over (TTFT, tok/s)
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self._error: BaseException | None = None
         self._seq = _Seq(self, req, limit)
@@ -290,8 +287,7 @@ class Generation:
     def _emit(self, tok: int | None, reason: str | None) -> None:
         if tok is not None:
             self.completion_tokens += 1
-            if self.first_token_at is None:
-                self.first_token_at = time.monotonic()
+            self.token_times.append(time.monotonic())
             try:
                 self._send.send_nowait(tok)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -334,10 +330,8 @@ class Scheduler:
         self.pipe = pipe
         self.max_context = max_context
         self.vocab_size = vocab_size
-        per_column = bool(getattr(pipe, "per_column_sampling", isinstance(pipe, LocalPipeline)))
         self._core = _Core(slots=range(max_seqs), scratch=n_slots - 1 if batch_invariant else None,
-                           max_queue=max_queue, depth=max(1, micro_batches), prefill_chunk=prefill_chunk,
-                           per_column=per_column)
+                           max_queue=max_queue, depth=max(1, micro_batches), prefill_chunk=prefill_chunk)
         self._wake = trio.Event()
         self._running = False
         self._stopped: SchedulerStopped | None = None

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import trio
 
-from engine.stage import Sampling, Stage
+from common.values import Sampling
+from engine.stage import Stage
 from mesh import proto
 from mesh.coordinator import CoordConfig, Coordinator
 from mesh.peer import Peer, PeerConfig
@@ -121,11 +122,15 @@ async def test_eight_streams_unsharded_equal_each_stream_alone(local):
     assert local.stage._lengths[:N_SLOTS - 1] == [0] * (N_SLOTS - 1)   # every slot zeroed after use
 
 
+def sampled(reqs: list[Request]) -> list[Request]:
+    """Every other stream samples, each with its own seed; the rest stay greedy."""
+    return [Request(r.prompt_ids, r.max_tokens, Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i)
+                    if i % 2 else Sampling(), frozenset()) for i, r in enumerate(reqs)]
+
+
 async def test_per_sequence_sampling_and_seeds_in_one_batch(local):
     pipe = LocalPipeline(local)
-    base = streams()
-    reqs = [Request(r.prompt_ids, r.max_tokens, Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i)
-                    if i % 2 else Sampling(), frozenset()) for i, r in enumerate(base)]
+    reqs = sampled(streams())
     together, _ = await run_together(pipe, reqs)
     for i, req in enumerate(reqs):
         assert together[i] == await run_alone(pipe, req), f"stream {i}"
@@ -223,7 +228,7 @@ async def test_a_failing_pipeline_stops_every_generation():
 
 
 def test_a_long_prompt_never_holds_decoding_streams_for_more_than_one_chunk():
-    core = _Core(slots=range(4), scratch=4, max_queue=8, depth=1, prefill_chunk=16, per_column=True)
+    core = _Core(slots=range(4), scratch=4, max_queue=8, depth=1, prefill_chunk=16)
     decoding = [_Seq(None, Request((1,) * 3, 100), 100) for _ in range(2)]
     for s in decoding:
         core.enqueue(s)
@@ -244,7 +249,7 @@ def test_a_long_prompt_never_holds_decoding_streams_for_more_than_one_chunk():
 
 
 def test_decoding_streams_spread_over_the_micro_batches_in_flight():
-    core = _Core(slots=range(8), scratch=8, max_queue=8, depth=3, prefill_chunk=16, per_column=True)
+    core = _Core(slots=range(8), scratch=8, max_queue=8, depth=3, prefill_chunk=16)
     seqs = [_Seq(None, Request((1,), 100), 100) for _ in range(8)]
     for s in seqs:
         core.enqueue(s)
@@ -277,7 +282,7 @@ async def three_peer_chain(model, n_slots: int):
 
 @pytest.mark.slow    # three worker processes, each compiling its step shapes (~25 s with tinygrad's caches warm)
 async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_alone(model, local):
-    reqs = streams()
+    reqs = sampled(streams())      # greedy and seeded sequences in the same steps: one Sampling per column on the wire
     alone = [await run_alone(LocalPipeline(local), r) for r in reqs]
     with trio.fail_after(300):
         async with three_peer_chain(model, N_SLOTS) as pipe:

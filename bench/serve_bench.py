@@ -1,0 +1,175 @@
+"""Serving many users at once: the scheduler's aggregate decode speed against one stream, side by side in one run.
+
+    .venv/bin/python bench/serve_bench.py [--model PATH] [--streams 1,4,8,16] [--tokens 48] [--modes local,chain]
+
+For each mode (`local`: one worker holding every layer; `chain`: a coordinator and 3 peers wired peer to peer on
+loopback, the peers in this process with their stages in worker processes, so their busy time can be read) and each
+number of streams n: n greedy requests with different chat prompts arrive at once; each asks for enough tokens that
+all n decode together for at least `--tokens` steps after the last one's prompt is in. Columns:
+- aggregate decode tok/s: tokens emitted while all n streams decode (from the last stream's first token to the first
+  stream's last token), over that window; `x1` = that against the one-stream row of the same mode;
+- per-stream tok/s: the median stream's tokens in that window over the window;
+- TTFT p50 / p95: arrival to first token, over the n streams (the prompts queue behind each other: under load);
+- busy (chain): the fraction of the window each stage spent computing a step (lock, worker step, forward send),
+  from the peers' own step records; the pipeline's bubble is 1 minus that.
+A row "1, no companion" runs one stream with `batch_invariant=False` (the lone decode column alone, the matvec) to show
+what the scratch companion costs a single user. Tokens are checked: every stream of every row must equal the same
+prompt run alone in that mode.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import secrets
+import statistics
+import sys
+import time
+from collections import deque
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.chat import render_prompt  # noqa: E402
+from engine.gguf_meta import read_model_meta  # noqa: E402
+from engine.sources import default_model_path  # noqa: E402
+from common.values import Sampling  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.worker import open_worker  # noqa: E402
+from mesh.coordinator import CoordConfig, Coordinator  # noqa: E402
+from mesh.peer import Peer, PeerConfig  # noqa: E402
+from mesh.pipeline import LocalPipeline  # noqa: E402
+from mesh.scheduler import Request, Scheduler  # noqa: E402
+
+TOPICS = ["a robot who learns to paint", "the history of bread", "why the sky is blue", "a lighthouse keeper",
+          "how bees make honey", "a city under the sea", "the first snow of winter", "a dragon who is afraid",
+          "how trains changed travel", "a garden on the moon", "the life of a river", "a clock that runs backward",
+          "how volcanoes form", "a cat who runs a bakery", "the northern lights", "a library with no books"]
+CONTEXT = 512
+
+
+def prompts(tok: Tokenizer, n: int) -> list[tuple[int, ...]]:
+    return [tuple(tok.encode(render_prompt(tok, f"Write a short story about {TOPICS[i % len(TOPICS)]}.",
+                                           mode="auto"))) for i in range(n)]
+
+
+@asynccontextmanager
+async def local_pipe(model: Path, n_slots: int, warmup: int):
+    async with open_worker() as w:
+        await w.load(model, 0, read_model_meta(model).n_layers, n_slots=n_slots, max_context=CONTEXT, warmup=warmup)
+        yield LocalPipeline(w), []
+
+
+@asynccontextmanager
+async def chain_pipe(model: Path, n_slots: int, warmup: int, peers: int = 3):
+    token = secrets.token_urlsafe(24).encode()
+    cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=token, min_peers=peers, settle=0.3, wait=600,
+                      n_slots=n_slots, max_context=CONTEXT, warmup=warmup)
+    async with trio.open_nursery() as nursery:
+        coord = Coordinator(cfg)
+        port = await coord.serve_registry(nursery)
+        members = []
+        for _ in range(peers):
+            p = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=token, listen="127.0.0.1:0", model=model,
+                                n_slots=n_slots, max_context=CONTEXT, warmup=warmup, report_every=3600))
+            p.report.window = deque(maxlen=1_000_000)    # every step's busy time, not the last 256
+            members.append(p)
+            nursery.start_soon(p.run)
+        async with AsyncExitStack() as stack:
+            _, pipe = await coord.form(nursery, stack)
+            stages = sorted(members, key=lambda p: p.loaded[0])
+            yield pipe, stages
+        nursery.cancel_scope.cancel()
+
+
+async def run_streams(pipe, reqs: list[Request], n_slots: int, **kw) -> dict:
+    sched = Scheduler(pipe, n_slots=n_slots, max_context=CONTEXT, max_queue=len(reqs), **kw)
+    times: list[list[float]] = [[] for _ in reqs]
+    toks: list[list[int]] = [[] for _ in reqs]
+
+    async def consume(i: int) -> None:
+        async with sched.open(reqs[i]) as g:
+            async for t in g:
+                toks[i].append(t)
+        times[i] = g.token_times          # when the scheduler handed each token over
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        t0 = time.monotonic()
+        async with trio.open_nursery() as clients:
+            for i in range(len(reqs)):
+                clients.start_soon(consume, i)
+        nursery.cancel_scope.cancel()
+    ta, tb = max(t[0] for t in times), min(t[-1] for t in times)
+    if len(reqs) == 1:
+        ta = times[0][1]          # one stream: its decode steps only
+    in_window = [sum(1 for x in t if ta < x <= tb) for t in times]
+    span = tb - ta
+    return {"t0": t0, "ta": ta, "tb": tb, "tokens": toks, "agg": sum(in_window) / span if span > 0 else float("nan"),
+            "per": statistics.median(in_window) / span if span > 0 else float("nan"),
+            "ttft": sorted(t[0] - t0 for t in times), "steps": sched.stats().steps}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def busy(stages, ta: float, tb: float) -> str:
+    if not stages or tb <= ta:
+        return ""
+    fr = [sum(b for t, _, b in p.report.window if ta < t <= tb) / (tb - ta) for p in stages]
+    return " ".join(f"{f:.2f}" for f in fr)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=48, help="decode steps every stream takes while all decode")
+    ap.add_argument("--modes", default="local,chain")
+    args = ap.parse_args()
+    model = args.model or default_model_path()
+    tok = Tokenizer.from_gguf(model)
+    counts = [int(x) for x in args.streams.split(",")]
+    n_slots = max(counts) + 1
+    print(f"model {model.name}, streams {counts}, >= {args.tokens} decode steps together, context {CONTEXT}, "
+          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
+    for mode in args.modes.split(","):
+        stages_n = 1 if mode == "local" else 3
+        widths = max(2, math.ceil(max(counts) / stages_n))      # the widest decode batch the scheduler forms
+        opener = local_pipe if mode == "local" else chain_pipe
+        t_load = time.monotonic()
+        async with opener(model, n_slots, widths) as (pipe, stages):
+            print(f"\n{mode}: {stages_n} stage(s), decode widths 1..{widths} compiled at load "
+                  f"({time.monotonic() - t_load:.0f} s with the fleet)", flush=True)
+            print(f"{'streams':>16s} {'agg tok/s':>9s} {'x1':>6s} {'per-stream':>10s} {'TTFT p50':>9s} "
+                  f"{'p95':>7s}  {'busy per stage':<16s} tokens", flush=True)
+            all_ids = prompts(tok, max(counts))
+            need = args.tokens + sum(math.ceil(len(p) / 16) for p in all_ids) + 1
+            alone: dict[int, list[int]] = {}
+            one = None
+            rows = [("1, no companion", 1, False)] + [(str(n), n, True) for n in counts]
+            for label, n, invariant in rows:
+                ids = all_ids[:n]
+                chunks = sum(math.ceil(len(p) / 16) for p in ids)
+                reqs = [Request(p, args.tokens + chunks + 1, Sampling(), frozenset()) for p in ids]
+                r = await run_streams(pipe, reqs, n_slots, batch_invariant=invariant)
+                for i, out in enumerate(r["tokens"]):      # each stream against its prompt alone (this mode)
+                    if i not in alone:
+                        alone[i] = (await run_streams(pipe, [Request(ids[i], need, Sampling(), frozenset())],
+                                                      n_slots))["tokens"][0]
+                same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]) if invariant)
+                if n == 1 and invariant:
+                    one = r["agg"]
+                x1 = f"{r['agg'] / one:6.2f}" if one and invariant else "     -"
+                print(f"{label:>16s} {r['agg']:9.2f} {x1} {r['per']:10.2f} {pct(r['ttft'], .5):8.2f}s "
+                      f"{pct(r['ttft'], .95):6.2f}s  {busy(stages, r['ta'], r['tb']):<16s} "
+                      f"{('equal alone' if same else 'DIFFERENT') if invariant else '(matvec decode)'}", flush=True)
+    print(f"\nload {os.getloadavg()[0]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    trio.run(main)
