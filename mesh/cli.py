@@ -261,6 +261,7 @@ def coord_main(argv: list[str] | None = None) -> None:
     _logging(args.verbose)
     from engine.sources import default_model_path, resolve_source
     from mesh.coordinator import CoordConfig
+    from mesh.scheduler import slots_for    # --max-seqs sequences, and the scratch slot (NOTES Mesh "Scheduler")
 
     try:
         model = resolve_source(args.model) if args.model else default_model_path()
@@ -276,8 +277,8 @@ def coord_main(argv: list[str] | None = None) -> None:
     cfg = CoordConfig(model=Path(model), listen=args.listen, token=token, min_peers=args.min_peers,
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
-                      n_slots=max(args.max_seqs, CoordConfig.n_slots),     # the local stage's (--layers) KV slots
-                      warmup=args.warmup, ice=ice)
+                      warmup=args.warmup, ice=ice, n_slots=slots_for(args.max_seqs),
+                      stage_warmup=-1 if args.prompt is None and not args.chat else 0)
     _run("mesh-coord", _run_coord, cfg, args)
 
 

@@ -51,10 +51,12 @@ class CoordConfig:
     auto_webrtc: bool = False
     webrtc_hops: tuple[int, ...] = ()
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
-    n_slots: int = 4
+    n_slots: int = 5                   # KV slots on every stage (Load): scheduler.slots_for(--max-seqs 4)
     max_context: int = 2048
     warmup: int = 1                    # decode widths the local stage compiles at load (Worker.load); 0: none
     identity: str = ""                 # the model's content identity (mesh.identity); "" = computed from `model`
+    stage_warmup: int = 0              # decode widths every peer compiles at load (Load.warmup); 0: each peer's
+                                       # own --warmup; -1: the widths the scheduler forms with n_slots over this chain
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
@@ -100,6 +102,7 @@ class Fleet:
         self._plans: dict[tuple[int, int], object] = {}
         self._stats_lock = trio.Lock()
         self._stats_owed: list[int] = []
+        self.stages = 1                 # stages of the chain being formed, the coordinator's own layers counted
 
     @property
     def first_layer(self) -> int:
@@ -124,8 +127,9 @@ class Fleet:
             log.info("auto-split: layers %d..%d over %d peers -> %s", self.first_layer, self.meta.n_layers,
                      len(members), ", ".join(f"{a}..{b}" for a, b in ranges))
         digests = [await self._digest(r) if not rep.pinned else b"" for r, rep in zip(ranges, reports)]
-        acks = await _rpc_all(members, lambda m: proto.Load(*ranges[members.index(m)], self.meta.n_layers,
-                                                            self.identity, digests[members.index(m)]), proto.Ack)
+        self.stages = len(members) + (self.cfg.layers is not None)
+        acks = await _rpc_all(members, lambda m: self._load_msg(ranges[members.index(m)], digests[members.index(m)]),
+                              proto.Ack)
         for m, r, ack in zip(members, ranges, acks):
             if ack.code == LC.NEED_WEIGHTS:
                 await self._ship(m, r)
@@ -143,6 +147,15 @@ class Fleet:
                                   self.identity)
         except PlanError as exc:
             raise FleetError(str(exc)) from None
+
+    def _load_msg(self, r: tuple[int, int], digest: bytes) -> proto.Load:
+        """Every stage loads the session's slots and context (the scheduler's sequences live in those slots)."""
+        warmup = self.cfg.stage_warmup
+        if warmup < 0:
+            from mesh.scheduler import decode_widths
+            warmup = decode_widths(self.cfg.n_slots, self.stages if self.cfg.chain == "p2p" else 1)
+        return proto.Load(r[0], r[1], self.meta.n_layers, self.identity, digest, self.cfg.n_slots,
+                          self.cfg.max_context, warmup)
 
     def _keep_loaded(self, reports: list[StageReport]) -> list[tuple[int, int]] | None:
         """The ranges the peers already hold, if they already form a valid chain of this model: a fleet that
@@ -176,7 +189,7 @@ class Fleet:
         # The memo keeps the range file's SHA-256, so a restarted coordinator resumes without re-reading the range.
         plan = await trio.to_thread.run_sync(self._plan, r)
         await ship_range(m.link, plan, label=m.name, digest_memo=_memo_dir("digests"))
-        await m.link.send(proto.Load(r[0], r[1], self.meta.n_layers, self.identity, await self._digest(r)))
+        await m.link.send(self._load_msg(r, await self._digest(r)))
         try:
             ack = await m.link.receive()
         except LinkError as exc:

@@ -44,7 +44,7 @@ class PeerConfig:
     memory_mb: int = 0
     cache_dir: Path | None = None
     device: str | None = None
-    n_slots: int = 4
+    n_slots: int = 5                   # for a pinned range loaded at start; a session's Load says its own
     max_context: int = 2048
     warmup: int = 1                    # decode widths compiled at load (Worker.load); 0: each shape on first use
     report_every: float = 5.0
@@ -76,6 +76,7 @@ class Peer:
         self.loaded_fingerprint = ""
         self.loaded_total = 0
         self.loaded_kv = (0, 0)  # the loaded stage's KV pool: (blocks, positions a block), reported in Info
+        self.loaded_shape: tuple[int, int] | None = None   # (n_slots, max_context) of the loaded stage
         self.backend = ""
         self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
         self.forward: _Forward | None = None
@@ -260,10 +261,14 @@ class Peer:
                           self.backend, self.loaded is not None, *kv)
 
     # ---- loading and shipping --------------------------------------------------------------------------------
-    async def _load(self, path: Path, start: int, end: int) -> None:
-        info = await self.worker.load(path, start, end, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context,
-                                      warmup=self.cfg.warmup)
+    async def _load(self, path: Path, start: int, end: int, n_slots: int | None = None,
+                    max_context: int | None = None, warmup: int = 0) -> None:
+        """Load a range; the session's slots, context and decode widths (Load) over the peer's own flags."""
+        n_slots, max_context = n_slots or self.cfg.n_slots, max_context or self.cfg.max_context
+        info = await self.worker.load(path, start, end, n_slots=n_slots, max_context=max_context,
+                                      warmup=min(warmup or self.cfg.warmup, n_slots))
         self.loaded = (start, end)
+        self.loaded_shape = (n_slots, max_context)
         self.loaded_fingerprint = info.fingerprint
         self.loaded_total = info.total
         self.loaded_kv = (info.kv_blocks, info.kv_block_size)
@@ -274,7 +279,8 @@ class Peer:
 
     async def _handle_load(self, ev: proto.Load) -> tuple[int, str]:
         LC = proto.LoadCode
-        if self.loaded == (ev.start, ev.end) and self.loaded_fingerprint == ev.fingerprint:
+        if self.loaded == (ev.start, ev.end) and self.loaded_fingerprint == ev.fingerprint \
+                and self.loaded_shape == (ev.n_slots, ev.max_context):
             return LC.OK, "already loaded"               # an unchanged fleet re-forms without re-reading weights
         if self.cfg.layers and (ev.start, ev.end) != self.cfg.layers:
             return LC.FAIL, f"pinned to layers {self.cfg.layers[0]}..{self.cfg.layers[1]}"
@@ -297,7 +303,7 @@ class Peer:
                 return LC.NEED_WEIGHTS, f"cached layers {ev.start}..{ev.end} failed their digest check; ship them"
         async with self.compute:
             try:
-                await self._load(path, ev.start, ev.end)
+                await self._load(path, ev.start, ev.end, ev.n_slots, ev.max_context, ev.warmup)
             except Exception as exc:
                 log.error("load of layers %d..%d failed: %s", ev.start, ev.end, exc)
                 return LC.FAIL, str(exc)[:500]

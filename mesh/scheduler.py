@@ -31,7 +31,8 @@ from mesh import proto
 from mesh.errors import MeshError, single_errors
 from mesh.pipeline import ChainPipeline, Pipeline
 
-__all__ = ["Request", "Generation", "Scheduler", "SchedulerStats", "SchedulerError", "QueueFull", "SchedulerStopped"]
+__all__ = ["Request", "Generation", "Scheduler", "SchedulerStats", "SchedulerError", "QueueFull", "SchedulerStopped",
+           "slots_for", "decode_widths"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -69,6 +70,19 @@ class SchedulerStats:
     micro_batches: int          # how many may be in flight at once (the number of stages in p2p mode)
     step_ms: float | None       # mean submit-to-answer time of recent micro-batches
     stage_ms: tuple[float, ...] | None = None   # per stage, where the pipeline reports it
+
+
+def slots_for(max_seqs: int, *, batch_invariant: bool = True) -> int:
+    """KV slots every stage needs for `max_seqs` sequences: one more for the scratch companion (see `_Core`), which
+    a single sequence (always alone) does not need."""
+    return max_seqs + 1 if batch_invariant and max_seqs > 1 else max_seqs
+
+
+def decode_widths(n_slots: int, micro_batches: int, *, batch_invariant: bool = True) -> int:
+    """The widest decode step the scheduler forms: what a stage's warmup should compile (widths 1..this)."""
+    if not batch_invariant or n_slots == 1:
+        return min(n_slots, math.ceil(n_slots / max(1, micro_batches)))
+    return min(n_slots, max(2, math.ceil((n_slots - 1) / max(1, micro_batches))))
 
 
 # ---- the sans-IO core ------------------------------------------------------------------------------------------
@@ -127,7 +141,7 @@ class _Core:
 
     # admission
     def enqueue(self, seq: _Seq) -> None:
-        if len(self.queue) >= self.max_queue:
+        if len(self.queue) >= self.max_queue + len(self.free):    # the bound counts only those that must wait
             raise QueueFull(f"all {self.max_seqs} sequence slots are busy and {len(self.queue)} requests wait "
                             f"(the queue holds {self.max_queue}); retry later")
         self.queue.append(seq)
@@ -306,8 +320,8 @@ class Generation:
 class Scheduler:
     """Continuous batching over a Pipeline.
 
-    n_slots: KV slots each stage was loaded with. With `batch_invariant` (default) the last one is a scratch slot
-    (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots. `micro_batches`: how many steps may
+    n_slots: KV slots each stage was loaded with. With `batch_invariant` (default) and more than one slot, the last
+    one is a scratch slot (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots. `micro_batches`: how many steps may
     be in flight (default: the number of stages in p2p mode, else 1: hub and local pipelines compute a step only
     when it is collected). `prefill_chunk`: prompt columns per prefill step (a multiple of the engine's prefill
     bucket keeps a prompt's chunks, and so its bits, the same as prefilling it alone). `vocab_size`: checks ids."""
@@ -315,9 +329,9 @@ class Scheduler:
     def __init__(self, pipe: Pipeline, *, n_slots: int, max_context: int, max_queue: int = 64,
                  max_seqs: int | None = None, micro_batches: int | None = None, prefill_chunk: int = 16,
                  batch_invariant: bool = True, vocab_size: int | None = None):
-        if n_slots < (2 if batch_invariant else 1):
-            raise ValueError(f"n_slots={n_slots}: need at least {2 if batch_invariant else 1}"
-                             + (" (one is the scratch slot of batch_invariant)" if batch_invariant else ""))
+        if n_slots < 1:
+            raise ValueError(f"n_slots={n_slots}: need at least 1")
+        batch_invariant = batch_invariant and n_slots > 1    # one slot: its sequence is always alone anyway
         usable = n_slots - 1 if batch_invariant else n_slots
         max_seqs = usable if max_seqs is None else max_seqs
         if not 1 <= max_seqs <= usable:
@@ -360,6 +374,7 @@ class Scheduler:
         # the prompt fills positions [0, n); token k (k >= 1) is fed at n + k - 1, the last one never
         gen = Generation(self, req, min(req.max_tokens, self.max_context - n + 1))
         self._core.enqueue(gen._seq)
+        self._core.admit()      # a free slot is taken now: requests opened before the loop runs are not "waiting"
         self._wake.set()
         return gen
 

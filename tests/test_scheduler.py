@@ -192,10 +192,11 @@ class NoPipe(Pipeline):
 def test_the_bounded_queue_raises_queue_full():
     sched = Scheduler(NoPipe(), n_slots=3, max_context=64, max_queue=2)
     req = Request((1, 2, 3), 4, Sampling(), frozenset())
-    sched.open(req), sched.open(req)
+    for _ in range(4):                  # 2 take the free slots at once (before any step), 2 wait
+        sched.open(req)
     with pytest.raises(QueueFull, match="queue holds 2"):
         sched.open(req)
-    assert sched.stats().queued == 2
+    assert (sched.stats().active, sched.stats().queued) == (2, 2)
 
 
 def test_bad_requests_are_named():
@@ -271,8 +272,9 @@ async def three_peer_chain(model, n_slots: int):
         coord = Coordinator(cfg)
         port = await coord.serve_registry(nursery)
         for _ in range(3):
+            # the peers' own slots and context are the defaults: the session's come with Load
             peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, listen="127.0.0.1:0", model=model,
-                                   n_slots=n_slots, max_context=CONTEXT, warmup=0))
+                                   warmup=0))
             nursery.start_soon(peer.run)
         async with AsyncExitStack() as stack:
             _, pipe = await coord.form(nursery, stack)
@@ -291,3 +293,13 @@ async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_
     assert peak == 6
     for i in range(len(reqs)):
         assert together[i] == alone[i], f"stream {i}"
+
+
+def test_slots_and_decode_widths_for_a_session():
+    from mesh.scheduler import decode_widths, slots_for
+    assert [slots_for(n) for n in (1, 2, 8)] == [1, 3, 9]          # a lone sequence needs no companion
+    assert slots_for(8, batch_invariant=False) == 8
+    assert decode_widths(9, 3) == 3 and decode_widths(9, 1) == 8 and decode_widths(3, 3) == 2
+    assert decode_widths(1, 1) == 1 and decode_widths(8, 3, batch_invariant=False) == 3
+    one = Scheduler(NoPipe(), n_slots=1, max_context=64)
+    assert one.stats().max_seqs == 1 and one._core.scratch is None

@@ -449,22 +449,31 @@ class Info(Event):
     kv_block_size: int = 0
 
 
-@_message(MsgType.LOAD, U32, U32, U32, STR, BYTES)
+@_message(MsgType.LOAD, U32, U32, U32, STR, BYTES, U32, U32, U32)
 @dataclass(frozen=True, slots=True)
 class Load(Event):
     """Load (or reload) layers [start, end) of the model with this fingerprint; answered by Ack(of=LOAD).
     `sha256`: the digest of the range file the coordinator would ship for this range; a peer loading from its cache
-    checks the file against it (b"": none given, the peer asks for the weights instead of trusting its cache)."""
+    checks the file against it (b"": none given, the peer asks for the weights instead of trusting its cache).
+    `n_slots`, `max_context`: the session's KV slots and context, the same on every stage (the scheduler's sequences
+    live in those slots; a prompt's chunks depend on the context left, so stages must agree for bitwise splits).
+    `warmup`: decode widths the session wants compiled before the answer (Stage.warmup); 0: the peer's own choice."""
 
     start: int
     end: int
     total_layers: int
     fingerprint: str
     sha256: bytes = b""
+    n_slots: int = 4
+    max_context: int = 2048
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= self.total_layers:
             raise ValueError(f"Load range [{self.start}, {self.end}) not within 0..{self.total_layers}")
+        if self.n_slots < 1 or self.max_context < 1:
+            raise ValueError(f"Load needs at least one slot and one position, got n_slots={self.n_slots}, "
+                             f"max_context={self.max_context}")
 
 
 @_message(MsgType.ACK, wire.Enum(MsgType, "B"), U16, STR)

@@ -23,7 +23,7 @@ import trio
 from engine.chat import stop_markers
 from mesh.errors import FleetError, HopError, MeshError, SessionError, single_errors
 from mesh.link import LinkError
-from mesh.scheduler import Scheduler
+from mesh.scheduler import Scheduler, slots_for
 from mesh.session import open_session
 
 log = logging.getLogger("mesh.serve")
@@ -116,6 +116,9 @@ class Service:
         self.api_key = api_key
         self.template = template
         self.max_seqs, self.max_queue = max_seqs, max_queue
+        if slots_for(max_seqs) > coord.cfg.n_slots:     # the stages hold cfg.n_slots (Load): the scheduler's room
+            raise ValueError(f"max_seqs {max_seqs} needs {slots_for(max_seqs)} KV slots; the coordinator's "
+                             f"configuration gives the stages {coord.cfg.n_slots}")
         self.max_context = coord.cfg.max_context
         self.model_id = Path(coord.cfg.model).name.removesuffix(".gguf")
         self.created = int(time.time())
@@ -159,8 +162,8 @@ class Service:
                 try:
                     async with open_session(self.coord, min_peers=min_peers, wait=math.inf) as s:
                         members = s.members
-                        sched = Scheduler(s.pipe, n_slots=self.max_seqs, max_context=self.max_context,
-                                          max_queue=self.max_queue)
+                        sched = Scheduler(s.pipe, n_slots=self.coord.cfg.n_slots, max_seqs=self.max_seqs,
+                                          max_context=self.max_context, max_queue=self.max_queue)
                         await s.start(sched.run)
                         self.sessions += 1
                         self._set("serving", s, sched)
