@@ -279,8 +279,9 @@ class Peer:
 
     async def _handle_load(self, ev: proto.Load) -> tuple[int, str]:
         LC = proto.LoadCode
+        shape = (ev.n_slots or self.cfg.n_slots, ev.max_context or self.cfg.max_context)
         if self.loaded == (ev.start, ev.end) and self.loaded_fingerprint == ev.fingerprint \
-                and self.loaded_shape == (ev.n_slots, ev.max_context):
+                and self.loaded_shape == shape:
             return LC.OK, "already loaded"               # an unchanged fleet re-forms without re-reading weights
         if self.cfg.layers and (ev.start, ev.end) != self.cfg.layers:
             return LC.FAIL, f"pinned to layers {self.cfg.layers[0]}..{self.cfg.layers[1]}"
@@ -303,7 +304,7 @@ class Peer:
                 return LC.NEED_WEIGHTS, f"cached layers {ev.start}..{ev.end} failed their digest check; ship them"
         async with self.compute:
             try:
-                await self._load(path, ev.start, ev.end, ev.n_slots, ev.max_context, ev.warmup)
+                await self._load(path, ev.start, ev.end, *shape, ev.warmup)
             except Exception as exc:
                 log.error("load of layers %d..%d failed: %s", ev.start, ev.end, exc)
                 return LC.FAIL, str(exc)[:500]

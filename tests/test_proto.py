@@ -213,7 +213,6 @@ def test_bad_headers(header, code):
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 0, 2) + struct.pack("<II", 65536, 65536), "data"),
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 0, 9), "dimensions"),
     (p.MsgType.LOAD, struct.pack("<IIIIIIII", 5, 3, 30, 0, 0, 4, 64, 0), "Load range"),
-    (p.MsgType.LOAD, struct.pack("<IIIIIIII", 0, 3, 30, 0, 0, 0, 64, 0), "at least one slot"),
     (p.MsgType.STEP, struct.pack("<IIIIB", 0, 0, 0, 0, 0) + struct.pack("<dIdQ", -1.0, 0, 1.0, 0), "temperature"),
     (p.MsgType.SHIP_END, struct.pack("<I", 3) + b"abc", "32 bytes"),
     (p.MsgType.VOCAB, struct.pack("<IHH", 2, 5, 5) + b"abc", "token bytes"),

@@ -457,23 +457,21 @@ class Load(Event):
     checks the file against it (b"": none given, the peer asks for the weights instead of trusting its cache).
     `n_slots`, `max_context`: the session's KV slots and context, the same on every stage (the scheduler's sequences
     live in those slots; a prompt's chunks depend on the context left, so stages must agree for bitwise splits).
-    `warmup`: decode widths the session wants compiled before the answer (Stage.warmup); 0: the peer's own choice."""
+    `warmup`: decode widths the session wants compiled before the answer (Stage.warmup). 0 in any of the three: the
+    peer's own setting."""
 
     start: int
     end: int
     total_layers: int
     fingerprint: str
     sha256: bytes = b""
-    n_slots: int = 4
-    max_context: int = 2048
+    n_slots: int = 0
+    max_context: int = 0
     warmup: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= self.total_layers:
             raise ValueError(f"Load range [{self.start}, {self.end}) not within 0..{self.total_layers}")
-        if self.n_slots < 1 or self.max_context < 1:
-            raise ValueError(f"Load needs at least one slot and one position, got n_slots={self.n_slots}, "
-                             f"max_context={self.max_context}")
 
 
 @_message(MsgType.ACK, wire.Enum(MsgType, "B"), U16, STR)
