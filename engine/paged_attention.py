@@ -30,6 +30,8 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from .cpu_runner import cpu_threads
+
 F32 = dtypes.float32
 LOG2E = 1.4426950408889634
 
@@ -75,8 +77,18 @@ def _row(table: UOp, slot: UOp, t: UOp, B: int, rows: int) -> UOp:
 
 
 def _outer(gpu: bool) -> AxisType:
-    """Loops over outputs: a GPU runs them as threads; the CPU runs each kernel's loops as they are (one core)."""
+    """Loops over outputs: a GPU runs them as threads; the CPU runs the write kernel's loops as they are."""
     return AxisType.GLOBAL if gpu else AxisType.WEAK
+
+
+def _cpu_pairs(N: int, H: int) -> tuple[UOp, UOp, tuple[UOp, UOp]]:
+    """(column, head) of a CPU kernel whose pairs are split over the cores (the largest divisor of N * H not above
+    the thread count, as the matvec splits its rows), and the two loops to end, inner first."""
+    P = N * H
+    T = next(t for t in range(min(cpu_threads(), P), 0, -1) if P % t == 0)
+    core, k = UOp.range(T, 0, AxisType.GLOBAL), UOp.range(P // T, 1)
+    pair = core * (P // T) + k
+    return pair // H, pair % H, (k, core)
 
 
 def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: int, gpu: bool, tag: str):
@@ -113,19 +125,20 @@ def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
         # One sum at a time was a chain of dependent adds (4 cycles each): 8 sequences of ~300 positions took
         # ~55 ms a step in SmolLM2's 30 layers
         N = q.shape[0]
-        c, h, tb = UOp.range(N, 0), UOp.range(H, 1), UOp.range((ctx + (B - 1)) // B, 2)
+        c, h, ends = _cpu_pairs(N, H)
+        tb = UOp.range((ctx + (B - 1)) // B, 2)
         i = UOp.range(B, 3, AxisType.UPCAST)
         slot, pos = _slot_pos(c, runs)
         blk = table[slot, tb].cast(dtypes.int).maximum(0).minimum(pk.shape[0] // W // B - 1)
         row = blk * B + i
         acc = UOp.placeholder((B + 1,), F32, 0, addrspace=AddrSpace.REG)
-        acc = acc.after(tb, h, c)[i + 1].set(0.0)
+        acc = acc.after(tb, *ends)[i + 1].set(0.0)
         d = UOp.range(Hd, 4, AxisType.REDUCE)
         acc = acc[i + 1].set(acc.after(d)[i + 1] + q[c, h * Hd + d] * pk[row * W + (h // G) * Hd + d].cast(F32),
                              end=d)
         t = tb * B + i
         val = (t <= pos).where(acc[i + 1] * scale, float("-inf"))
-        return s[c, h, t].store(val).end(i).end(tb, h, c).sink(
+        return s[c, h, t].store(val).end(i).end(tb, *ends).sink(
             arg=KernelInfo(name=f"attn_scores_{tag}", opts_to_apply=()))
     return kernel_gpu if gpu else kernel
 
@@ -135,11 +148,15 @@ def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, gpu: bool, tag: str):
     sums by l once instead of dividing every p (one pass over the positions fewer, no exp computed twice)."""
     def kernel(p: UOp, inv: UOp, s: UOp) -> UOp:
         N = s.shape[0]
-        c, h = UOp.range(N, 0, _outer(gpu)), UOp.range(H, 1, _outer(gpu))
+        if gpu:
+            c, h = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(H, 1, AxisType.GLOBAL)
+            ends = (h, c)
+        else:
+            c, h, ends = _cpu_pairs(N, H)
         _, pos = _slot_pos(c, runs)
         t1 = UOp.range(ctx, 2, AxisType.REDUCE)
         m = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
-        m = m.after(h, c)[0].set(float("-inf"))
+        m = m.after(*ends)[0].set(float("-inf"))
         m = m[0].set((t1 <= pos).where(m.after(t1)[0].maximum(s[c, h, t1]), m.after(t1)[0]), end=t1)
         t2 = UOp.range(ctx, 3, AxisType.REDUCE)
         e = (t2 <= pos).where(((s[c, h, t2] - m[0]) * LOG2E).exp2(), 0.0)
@@ -147,7 +164,7 @@ def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, gpu: bool, tag: str):
         tot = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
         tot = tot.after(m)[0].set(0.0)
         tot = tot.after(st)[0].set(tot.after(t2)[0] + e, end=t2)
-        return inv[c, h].store(tot[0].reciprocal()).end(h, c).sink(
+        return inv[c, h].store(tot[0].reciprocal()).end(*ends).sink(
             arg=KernelInfo(name=f"attn_softmax_{tag}", opts_to_apply=()))
     return kernel
 
@@ -174,11 +191,11 @@ def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
         # order (lanes are independent accumulators, nothing reassociates), and the lanes vectorize. The REG sums
         # are indexed from 1 (engine/quant_gemm.py: clang's SLP lines its vectors up from there)
         N = p.shape[0]
-        c, h = UOp.range(N, 0), UOp.range(H, 1)
+        c, h, ends = _cpu_pairs(N, H)
         slot, pos = _slot_pos(c, runs)
         acc = UOp.placeholder((Hd + 1,), F32, 0, addrspace=AddrSpace.REG)
         d0 = UOp.range(Hd, 2)
-        acc = acc.after(h, c)[d0 + 1].set(0.0, end=d0)
+        acc = acc.after(*ends)[d0 + 1].set(0.0, end=d0)
         t = UOp.range(ctx, 3, AxisType.REDUCE)
         row = _row(table, slot, t, B, pv.shape[0] // (KvH * Hd))
         w = p[c, h, t]
@@ -186,7 +203,7 @@ def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
         term = (t <= pos).where(w * pv[row * (KvH * Hd) + (h // G) * Hd + d].cast(F32), 0.0)
         acc = acc[d + 1].set(acc.after(t)[d + 1] + term, end=(d, t))
         d2 = UOp.range(Hd, 5)
-        return o[c, h * Hd + d2].store(acc[d2 + 1] * inv[c, h]).end(d2).end(h, c).sink(
+        return o[c, h * Hd + d2].store(acc[d2 + 1] * inv[c, h]).end(d2).end(*ends).sink(
             arg=KernelInfo(name=f"attn_values_{tag}", opts_to_apply=()))
     return kernel_gpu if gpu else kernel
 
