@@ -110,7 +110,8 @@ def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
 
     def kernel_gpu(s: UOp, q: UOp, pk: UOp, table: UOp) -> UOp:  # a thread per (column, head, position)
         N = q.shape[0]
-        c, h, t = (UOp.range(n, i, AxisType.GLOBAL) for i, n in enumerate((N, H, ctx)))
+        # ctx.maximum(1): a CUDA graph computes launch sizes with the variables at 0, and a 0 launch is refused
+        c, h, t = (UOp.range(n, i, AxisType.GLOBAL) for i, n in enumerate((N, H, ctx.maximum(1))))
         slot, pos = _slot_pos(c, runs)
         row = _row(table, slot, t, B, pk.shape[0] // W)
         d = UOp.range(Hd, 3, AxisType.REDUCE)

@@ -128,7 +128,9 @@ class Stage:
         self._dirty: set[int] = set()  # slots a step has written since they were last cleared
         self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
         self._vpos = [UOp.variable(f"pos{i}", 0, max_context - 1) for i in range(n_slots)]
-        self._vctx = UOp.variable("ctx", 1, max_context)  # the step's longest run end: attention's loop bound
+        # the step's longest run end: attention's loop bound. Declared from 0: CUDA graphs size launches with every
+        # variable at 0, and a GPU kernel's launch axis of ctx.maximum(1) would be simplified to ctx from 1
+        self._vctx = UOp.variable("ctx", 0, max_context)
         self._use_jit = use_jit
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
