@@ -4,6 +4,10 @@ A peer dials out to the coordinator's registry and serves that one socket as its
 inbound port for control. It also listens for the predecessor's hop in peer-to-peer chain mode. Both kinds of link
 run the same op loop (`_serve_ops`); the stage itself is one worker process shared by all links, serialized by a
 lock that also covers the forward write, so the order of outputs down the chain is the order of compute.
+
+What other lanes of a hop build on is public: `serve_hop_stream` (serve an already open stream as an inbound hop)
+and `forward_over` (install an address or open stream as the successor hop); the WebRTC rung (mesh.rtc_lane) uses
+only these and imports nothing from this module.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from mesh.identity import model_identity, verify_file
 from mesh.link import AuthFailed, LinkClosed, LinkError, PreAuthGate, RemoteError, open_link
 from mesh.logsafe import clean
 from mesh.report import DonorReport
+from mesh.rtc_lane import open_rtc_lanes
 
 log = logging.getLogger("mesh.peer")
 HANDSHAKE_SECONDS = 10.0
@@ -58,7 +63,7 @@ class AuthRefused(MeshError):
 
 
 @dataclass
-class _Forward:
+class Forward:
     """The successor hop in peer-to-peer mode: the next peer, or the coordinator's sink when `sink` is set."""
     link: object
     sink: bool
@@ -79,28 +84,27 @@ class Peer:
         self.loaded_shape: tuple[int, int] | None = None   # (n_slots, max_context) of the loaded stage
         self.backend = ""
         self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
-        self.forward: _Forward | None = None
+        self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport()
         self.listen_port = 0
-        self.rtc = None                     # signaling.RtcEndpoint, created on the first Signal
-        self.nursery = None                 # the peer's lifetime nursery: inbound lanes, the WebRTC endpoint
+        self.rtc = None                     # mesh.rtc_lane.RtcLanes: the WebRTC rung, for the peer's lifetime
         self.inbound: set[trio.CancelScope] | None = None   # the current session's inbound hops; None between
         self.gate = PreAuthGate()           # inbound hops still authenticating
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
         host, _, port = self.cfg.listen.rpartition(":")
-        async with open_worker(device=self.cfg.device) as worker:
+        async with open_worker(device=self.cfg.device) as worker, open_rtc_lanes(self, self.cfg.ice) as rtc:
             self.worker = worker
+            self.rtc = rtc
             self.backend = f"{worker.ready.device}" if worker.ready else ""
             if self.cfg.layers:
                 await self._load(self.cfg.model, *self.cfg.layers)
                 self.loaded_fingerprint = self.identity
             async with trio.open_nursery() as nursery:
-                self.nursery = nursery
                 self.listen_port = await nursery.start(transport.serve_listener, host or "0.0.0.0", int(port or 0),
-                                                       self._serve_inbound)
+                                                       self.serve_hop_stream)
                 log.info("listening for peer hops on port %d", self.listen_port)
                 nursery.start_soon(self._report_loop)
                 await self._join_loop()
@@ -164,9 +168,10 @@ class Peer:
         except (AuthFailed, proto.AuthError) as exc:
             raise AuthRefused(str(exc)) from None
 
-    async def _serve_inbound(self, stream) -> None:
-        """A predecessor's hop (or a coordinator's hub connection): authenticate, then serve ops until the hop or
-        the session in which it was accepted ends. Between sessions nobody may dial in."""
+    async def serve_hop_stream(self, stream) -> None:
+        """Serve an open stream as an inbound hop: a predecessor's (dialed in, or a WebRTC data channel) or a
+        coordinator's hub connection. Authenticate, then serve ops until the hop or the session in which it was
+        accepted ends. Between sessions nobody may dial in."""
         peer = transport.remote_host(stream)
         session = self.inbound
         if session is None:
@@ -334,14 +339,20 @@ class Peer:
         if addr.startswith(":"):  # the sink shorthand: the coordinator's host as seen on our control connection
             addr = f"{_host_for_dial(transport.remote_host(link.stream))}{addr}"
         try:
-            hop = await nursery.start(self._hop, addr)
+            await self.forward_over(addr, sink=ev.sink, label=addr, nursery=nursery)
         except (transport.TransportError, LinkError, proto.ProtoError, trio.TooSlowError) as exc:
             self.forward = None
             await link.send(proto.Ack(proto.MsgType.CHAIN, 1, f"dial {addr} failed: {exc}"))
             return
-        self.forward = _Forward(hop, ev.sink, addr)
-        log.info("forwarding to %s %s", "sink" if ev.sink else "peer", addr)
         await link.send(proto.Ack(proto.MsgType.CHAIN, 0, addr))
+
+    async def forward_over(self, connect, *, sink: bool, label: str, nursery) -> None:
+        """Open the successor hop over `connect` (an address to dial, or an open stream such as a WebRTC data
+        channel) as a task of `nursery` (the session's: the hop closes when the session ends), authenticate it and
+        make it this peer's forward. Raises what dialing or the handshake raised; the forward is then unchanged."""
+        hop = await nursery.start(self._hop, connect)
+        self.forward = Forward(hop, sink, label)
+        log.info("forwarding to %s %s", "sink" if sink else "peer", label)
 
     async def _hop(self, connect, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own one outbound hop for the rest of the session: connect, authenticate, hand the link over, keep it open.
@@ -402,8 +413,7 @@ class Peer:
 
     # ---- WebRTC --------------------------------------------------------------------------------------------
     async def _handle_rtc(self, ev, link, nursery) -> None:
-        from mesh.rtc_lane import handle_rtc_op
-        await handle_rtc_op(self, ev, link, nursery)
+        await self.rtc.handle(ev, link, nursery)
 
     # ---- the donor's self-report ---------------------------------------------------------------------------
     async def _report_loop(self) -> None:
