@@ -58,12 +58,13 @@ class PayloadKind(enum.IntEnum):
     TOKENS_I32 = 1
     ACT_F16 = 2
     ACT_F32 = 3
+    MESSAGE = 4     # a worker command or event with its data (engine.worker_records)
 
 
 _KIND_DTYPE = {PayloadKind.TOKENS_I32: np.dtype("<i4"), PayloadKind.ACT_F16: np.dtype("<f2"),
-               PayloadKind.ACT_F32: np.dtype("<f4")}
+               PayloadKind.ACT_F32: np.dtype("<f4"), PayloadKind.MESSAGE: np.dtype("u1")}
 _KIND_MASK = 0xFF
-_KIND_BY_DTYPE = {dt: kind for kind, dt in _KIND_DTYPE.items()}
+_KIND_BY_DTYPE = {dt: kind for kind, dt in _KIND_DTYPE.items() if kind != PayloadKind.MESSAGE}
 _ITEMSIZE = {int(kind): dt.itemsize for kind, dt in _KIND_DTYPE.items()}
 _DTYPE_BY_VALUE = {int(kind): dt for kind, dt in _KIND_DTYPE.items()}
 
@@ -239,7 +240,13 @@ class RingWriter:
         """Copy `payload` (a contiguous int32/float16/float32 array) into the ring as one record."""
         kind = kind_for_dtype(payload.dtype)
         data = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-        extent = data.size
+        return self.write_parts(object_id, kind, (data,))
+
+    def write_parts(self, object_id: int, kind: PayloadKind, parts) -> RecordRef:
+        """Copy the buffers of `parts` (bytes, memoryviews, contiguous arrays), back to back, into the ring as one
+        record of payload `kind`: a message head and its data go in without being joined first."""
+        views = [memoryview(p).cast("B") for p in parts]
+        extent = sum(v.nbytes for v in views)
         need = _align_up(RECORD_HEADER_LEN + extent, RECORD_ALIGN)
         cap = self.arena.capacity
         name = RING_NAMES[self.ring]
@@ -262,8 +269,10 @@ class RingWriter:
         buf = self.arena.buffer
         _RECORD_HEADER.pack_into(buf, off, RECORD_MAGIC, RECORD_VERSION, RECORD_HEADER_LEN, object_id,
                                  self._next_sequence, extent, int(kind), 0)
-        if extent:
-            np.frombuffer(buf, np.uint8, extent, off + RECORD_HEADER_LEN)[:] = data
+        at = off + RECORD_HEADER_LEN
+        for v in views:
+            buf[at:at + v.nbytes] = v
+            at += v.nbytes
         ref = RecordRef(self.ring, pos, object_id, self._next_sequence, extent)
         self._next_sequence += 1
         self._pos = pos + need
@@ -289,6 +298,12 @@ class RingReader:
         dtype = _DTYPE_BY_VALUE[header.flags & _KIND_MASK]
         off = self.arena.data_base(self.ring) + ref.position % self.arena.capacity + RECORD_HEADER_LEN
         return np.frombuffer(self.arena.buffer, dtype, header.extent // dtype.itemsize, off)
+
+    def payload(self, ref: RecordRef) -> memoryview:
+        """The payload bytes aliasing the arena (valid until `release`). Raises RecordError."""
+        header = self.check(ref)
+        off = self.arena.data_base(self.ring) + ref.position % self.arena.capacity + RECORD_HEADER_LEN
+        return memoryview(self.arena.buffer)[off:off + header.extent]
 
     def release(self, ref: RecordRef) -> None:
         """Done with `ref` (and everything before it): the writer may reuse the space."""

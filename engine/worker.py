@@ -4,21 +4,22 @@
         info = await w.load(path, 0, 15, n_slots=4, max_context=2048)
         hidden = await w.step(cols, None, sampling)
 
-Control messages are JSON lines on the child's stdin/stdout (engine.worker_proto); activations and token ids go
-through a shared-memory arena of two rings (engine.arena). Commands are answered one at a time, in order; a lock
-serializes callers. The reply is read by the call that awaits it: when the child dies its stdout reaches EOF at once,
-so a caller waiting for a reply gets `WorkerDied` promptly, with the exit code or signal.
+Commands and events are records in a shared-memory arena of two rings (engine.arena, layouts in
+engine.worker_records); a Step's record carries its columns, its sampling and its input activations, a StepDone's
+its output. The pipes carry one doorbell (the record's ref) per message: the child blocks reading its stdin, this
+client waits in `trio.lowlevel.wait_readable` on the child's stdout. Commands are answered one at a time, in order;
+a lock serializes callers. The reply is read by the call that awaits it: when the child dies its stdout reaches EOF
+at once, so a caller waiting for a reply gets `WorkerDied` promptly, with the exit code or signal.
 
 Callers own timeouts (`trio.fail_after` around any call). A reply that arrives after its caller was cancelled is
-recognized by its `reply_to` and discarded (its output record is consumed so the ring stays in step).
+recognized by its `reply_to` and discarded (its record is released so the ring stays in step).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -30,15 +31,16 @@ from typing import Any, AsyncIterator, Sequence
 import numpy as np
 import trio
 
-from engine.arena import (EGRESS, INGRESS, RECORD_HEADER_LEN, Arena, ArenaError, RecordError, RecordRef,
+from common.values import Column, Sampling, SamplingArg, samplings_for
+from engine.arena import (EGRESS, INGRESS, RECORD_HEADER_LEN, Arena, ArenaError, PayloadKind, RecordError, RecordRef,
                           RingReader, RingWriter)
 from engine.errors import EngineError
-from engine.worker_proto import (MAX_LINE, BlockTable, Command, CommandError, Done, Envelope, Fatal, Initialize,
-                                 Load, Loaded, Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireColumn,
-                                 WireError, WorkerInfo, ZeroSlot, command_name, compact_sampling, decode_event,
-                                 encode_command)
+from engine.worker_proto import (BlockTable, Command, CommandError, Done, Envelope, Fatal, Initialize, Load, Loaded, Ready, Reset,
+                                 Rollback, Shutdown, StepDone, Stopped, WireError, WorkerInfo, ZeroSlot, command_name)
+from engine.worker_records import (DOORBELL, doorbell, DTYPE_NAME, KIND_BY_DTYPE, decode_event_record, encode_small,
+                                   step_head)
 
-__all__ = ["open_worker", "Worker", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
+__all__ = ["open_worker", "Worker", "StepOut", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
            "DEFAULT_ARENA_BYTES"]
 
 DEFAULT_ARENA_BYTES = 64 << 20  # memfd pages are only backed once touched; 32 MiB per ring fits big prefills
@@ -90,26 +92,20 @@ class WorkerCommandError(WorkerError):
         self.reason = reason
 
 
-def _wire_columns(cols: Sequence[Any]) -> tuple[WireColumn, ...]:
-    return tuple(WireColumn(int(c.pos), int(c.slot), bool(c.needs_logits), int(c.token)) for c in cols)
+class StepOut:
+    """A step's output as raw bytes out of the StepDone record: `kind` (engine.arena.PayloadKind: int32 tokens,
+    float16 or float32 activations), `rows` x `cols` values. What a peer forwards without a numpy round trip."""
+    __slots__ = ("kind", "rows", "cols", "data", "compute_ms", "sent_ms", "done_ms", "received_ms")
 
+    def __init__(self, kind: int, rows: int, cols: int, data: bytes, compute_ms: float, sent_ms: float,
+                 done_ms: float, received_ms: float) -> None:
+        self.kind, self.rows, self.cols, self.data, self.compute_ms = kind, rows, cols, data, compute_ms
+        # CLOCK_MONOTONIC ms: the doorbell went out, the child finished the step, the client took the event
+        self.sent_ms, self.done_ms, self.received_ms = sent_ms, done_ms, received_ms
 
-def _wire_sampling(sampling: Any) -> tuple[tuple[dict[str, Any], ...], bool]:
-    per_column = isinstance(sampling, (list, tuple))
-    out = []
-    for s in (sampling if per_column else [sampling]):
-        if not dataclasses.is_dataclass(s) or isinstance(s, type):
-            raise WorkerCommandError("Step", f"sampling must be an engine.stage.Sampling or a sequence of them, "
-                                             f"got {type(s).__name__}")
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-        out.append({k: v.item() if isinstance(v, np.generic) else v for k, v in fields.items()})
-    if all(compact_sampling(s) for s in out):
-        return tuple(out), per_column  # plain finite numbers: nothing for the encoder to refuse
-    try:
-        json.dumps(out, allow_nan=False)  # refuse here, before a step's input is written to the ring
-    except (TypeError, ValueError) as exc:
-        raise WorkerCommandError("Step", f"sampling cannot be sent: {exc}") from None
-    return tuple(out), per_column
+    def array(self) -> np.ndarray:
+        a = np.frombuffer(self.data, DTYPE_NAME[self.kind])
+        return a if self.kind == PayloadKind.TOKENS_I32 else a.reshape(self.rows, self.cols)
 
 
 class Worker:
@@ -124,14 +120,10 @@ class Worker:
         self.ready: Ready | None = None
         self.info: WorkerInfo | None = None
         self.events: deque[Envelope] = deque(maxlen=64)  # the most recent envelopes, for diagnostics
-        # CLOCK_MONOTONIC in ms (the envelope's mono_ms clock) when the last command line went out and the last event
-        # line was taken in: with an event's mono_ms and compute_ms they split a round trip into its legs
+        # CLOCK_MONOTONIC in ms (the envelope's mono_ms clock) when the last doorbell went out and the last event
+        # was taken in: with an event's mono_ms and compute_ms they split a round trip into its legs
         self.sent_mono_ms = 0.0
         self.received_mono_ms = 0.0
-        # Poll for a step's reply around the time it is due instead of sleeping through it (see _poll_window_for)
-        self.poll = True
-        self._compute_s: dict[int, float] = {}  # the last step's compute time, per column count
-        self._poll_window: tuple[float, float] | None = None
         self._lock = trio.StrictFIFOLock()
         self._cid = 0
         self._step_id = 0
@@ -175,77 +167,62 @@ class Worker:
     def act_dtype(self) -> np.dtype:
         return np.dtype(self._loaded().act_dtype)
 
-    async def step(self, cols: Sequence[Any], hidden: np.ndarray | None, sampling: Any) -> np.ndarray:
+    async def step(self, cols: Sequence[Column], hidden: np.ndarray | None, sampling: SamplingArg) -> np.ndarray:
         """Like `Stage.step`: (len(cols), dim) activations for a non-last stage, int32 token ids for the last."""
-        await self._acquire()
+        data, kind, dim = None, 0, 0
+        if hidden is not None:
+            hidden = np.ascontiguousarray(hidden)
+            kind = KIND_BY_DTYPE.get(hidden.dtype.name, 0)
+            if kind not in (PayloadKind.ACT_F16, PayloadKind.ACT_F32):
+                raise WorkerCommandError("Step", f"activations must be float16 or float32, got {hidden.dtype}")
+            dim = hidden.shape[-1] if hidden.ndim > 1 else hidden.size // max(len(cols), 1)
+            data = hidden.reshape(-1).view(np.uint8)
+        return (await self.step_raw(cols, data, kind, dim, sampling)).array().copy()
+
+    async def step_raw(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
+        """`step` on raw bytes: `data` (bytes-like, len(cols) x dim values of `kind`, or None) goes straight into the
+        Step record; the output comes back as the bytes of the StepDone record. No numpy on the way."""
+        try:
+            samplings = samplings_for(sampling, cols)
+        except ValueError as exc:
+            raise WorkerCommandError("Step", str(exc)) from None
+        per_column = not isinstance(sampling, Sampling)
+        # A decode step takes the lock uncontended; acquire() would pass through trio's scheduler once. The wait for
+        # the reply is the step's checkpoint.
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
         try:
             self._check_usable()
-            wire = self._wire_step(cols, sampling)  # everything that can refuse goes before the ring write
-            step_id = self._next_step_id()
-            ref = None
-            if hidden is not None:
-                try:
-                    ref = self.ingress.write(step_id, np.ascontiguousarray(hidden))
-                except ArenaError as exc:
-                    self._step_id -= 1
-                    raise WorkerCommandError("Step", str(exc)) from None
-            return await self._step_locked(step_id, wire, len(cols), ref)
+            if self._closed:
+                raise WorkerError(f"worker process {self.pid} is closed")
+            if self.info is not None and not self.info.last:
+                need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + 4 * RECORD_HEADER_LEN
+                if need > self.arena.capacity:
+                    raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
+                                                     f"holds {self.arena.capacity}; open the worker with a larger "
+                                                     f"arena")
+            self._cid += 1
+            self._step_id += 1
+            cid = self._cid
+            try:
+                head = step_head(cid, self._step_id, cols, samplings, per_column, kind, dim)
+            except (struct.error, TypeError, AttributeError) as exc:
+                raise WorkerCommandError("Step", f"columns or sampling cannot be sent: {exc}") from None
+            await self._post((head, data) if data is not None else (head,), cid, "Step")
+            env, out, ref, view = await self._reply(cid, "Step", StepDone)
+            try:
+                ev = env.event
+                if ev.step_id != self._step_id:
+                    raise self._break(WorkerFatal("protocol", f"step {self._step_id} answered for step {ev.step_id}"))
+                data_out = bytes(view[out.offset:out.offset + out.nbytes])
+            finally:
+                self._release(ref, view)
+            return StepOut(out.kind, out.rows, out.cols, data_out, ev.compute_ms, self.sent_mono_ms, env.mono_ms,
+                           self.received_mono_ms)
         finally:
             self._lock.release()
-
-    async def step_record(self, cols: Sequence[Any], ref: RecordRef | None, sampling: Any) -> np.ndarray:
-        """`step` with an input the caller already wrote to the ingress ring, as
-        `w.ingress.write(w.next_step_id, array)`. Lets a caller (or a test) place the record itself."""
-        async with self._lock:
-            wire = self._wire_step(cols, sampling)
-            return await self._step_locked(self._next_step_id(), wire, len(cols), ref)
-
-    @property
-    def next_step_id(self) -> int:
-        return self._step_id + 1
-
-    def _next_step_id(self) -> int:
-        self._step_id += 1
-        return self._step_id
-
-    def _wire_step(self, cols: Sequence[Any], sampling: Any) -> tuple[Any, ...]:
-        if self.info is not None and not self.info.last:
-            need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + RECORD_HEADER_LEN
-            if need > self.arena.capacity:
-                raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
-                                                 f"holds {self.arena.capacity}; open the worker with a larger arena")
-        return (_wire_columns(cols), *_wire_sampling(sampling))
-
-    async def _step_locked(self, step_id: int, wire: tuple[Any, ...], n_cols: int, ref: RecordRef | None) -> np.ndarray:
-        cols, sampling, per_column = wire
-        self._poll_window = self._poll_window_for(n_cols)
-        try:
-            ev = await self._request_locked(lambda cid: Step(cid, step_id, cols, sampling, per_column, ref), StepDone)
-        finally:
-            self._poll_window = None
-        self._compute_s[n_cols] = ev.compute_ms / 1000
-        if ev.step_id != step_id or ev.output.object_id != step_id:
-            raise self._break(WorkerFatal("protocol", f"step {step_id} answered for step {ev.step_id} "
-                                                      f"(object {ev.output.object_id})"))
-        out = self._take(ev.output)
-        if self.info is not None and not self.info.last:
-            out = out.reshape(n_cols, self.info.dim)
-        return out
-
-    def _poll_window_for(self, n_cols: int) -> tuple[float, float] | None:
-        """When to stop sleeping on the pipe and start polling it, and when to give up polling (perf_counter).
-
-        A process that sleeps through a 50-120 ms step wakes ~220 us after the child's write on this VM (the idle
-        vCPU halts; the waker's IPI brings it back), against ~50 us when it is still running. The last step of the
-        same width predicts this one's compute well (decode steps are within a few percent), so the caller sleeps
-        until just before the reply is due, then polls the pipe, yielding to its other tasks between polls, for a
-        bounded window (3% of the step + 2.3 ms); a reply that comes later is waited for as before. Measured on
-        SmolLM2: the event-to-read leg ~270 -> ~50 us a call, compute unchanged (NOTES "Worker process")."""
-        expect = self._compute_s.get(n_cols) if self.poll else None
-        if expect is None:
-            return None
-        start = time.perf_counter() + 0.97 * expect - 0.0003
-        return start, start + 0.03 * expect + 0.0023
 
     async def zero_slot(self, slot: int) -> None:
         await self._request(lambda cid: ZeroSlot(cid, slot), Done)
@@ -291,101 +268,99 @@ class Worker:
 
     async def _request(self, make: Any, expect: type, *, closing: bool = False) -> Any:
         async with self._lock:
-            return await self._request_locked(make, expect, closing=closing)
+            if self._closed and not closing:
+                raise WorkerError(f"worker process {self.pid} is closed")
+            self._check_usable()
+            self._cid += 1
+            cmd: Command = make(self._cid)
+            try:
+                payload = encode_small(cmd)
+            except (TypeError, ValueError) as exc:  # json: a numpy scalar, NaN, an object
+                raise WorkerCommandError(command_name(cmd), f"arguments cannot be sent: {exc}") from None
+            await self._post((payload,), cmd.cid, command_name(cmd))
+            env, _, ref, view = await self._reply(cmd.cid, command_name(cmd), expect)
+            self._release(ref, view)
+            return env.event
 
-    async def _acquire(self) -> None:
-        # A decode step takes the lock uncontended; acquire() would still pass through trio's scheduler once.
-        # The wait for the reply is the step's checkpoint.
+    async def _post(self, parts, cid: int, name: str) -> None:
+        """Write one command record and ring the child. The doorbell goes straight to the non-blocking pipe (40
+        bytes, far below its buffer, which the child drains between commands): no pass through the scheduler. What
+        does not fit goes through the stream, shielded: half a doorbell would desynchronize the channel for good."""
         try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
-
-    async def _request_locked(self, make: Any, expect: type, *, closing: bool = False) -> Any:
-        if self._closed and not closing:
-            raise WorkerError(f"worker process {self.pid} is closed")
-        self._check_usable()
-        self._cid += 1
-        cmd: Command = make(self._cid)
-        try:
-            line = encode_command(cmd)
-        except (TypeError, ValueError) as exc:  # json: a numpy scalar, NaN, an object
-            raise WorkerCommandError(command_name(cmd), f"arguments cannot be sent: {exc}") from None
-        await self._send(command_name(cmd), line)
-        while True:
-            env = await self._next_event(command_name(cmd))
-            ev = env.event
-            if isinstance(ev, Fatal):
-                raise self._break(WorkerFatal(ev.kind, ev.detail))
-            if env.reply_to != cmd.cid:
-                if env.reply_to < cmd.cid:
-                    self._discard_stale(env)
-                    continue
-                raise self._break(WorkerFatal("protocol", f"reply to command {env.reply_to} before command "
-                                                          f"{cmd.cid} was answered"))
-            if isinstance(ev, CommandError):
-                raise WorkerCommandError(ev.command, ev.reason)
-            if not isinstance(ev, expect):
-                raise self._break(WorkerFatal("protocol", f"{command_name(cmd)} was answered with "
-                                                          f"{type(ev).__name__}, expected {expect.__name__}"))
-            return ev
-
-    def _discard_stale(self, env: Envelope) -> None:
-        # the caller of that command was cancelled; its output record still has to be consumed in order
-        if isinstance(env.event, StepDone):
-            self._take(env.event.output)
-
-    def _take(self, ref: RecordRef) -> np.ndarray:
-        try:
-            return self.egress.take(ref)
-        except RecordError as exc:
-            raise self._break(WorkerFatal(f"record.{exc.field}", str(exc))) from None
-
-    async def _send(self, name: str, line: bytes) -> None:
-        # The line goes straight to the non-blocking pipe: a step's line is far below the pipe's buffer and the
-        # child drains stdin between commands, so one write() takes it whole without a trip through the scheduler.
-        # What does not fit goes through the stream, shielded: a half-written command line would desynchronize the
-        # channel for good.
+            ref = self.ingress.write_parts(cid, PayloadKind.MESSAGE, parts)
+        except ArenaError as exc:
+            raise WorkerCommandError(name, str(exc)) from None
+        bell = doorbell(ref)
         self.sent_mono_ms = time.monotonic_ns() / 1e6
         try:
-            sent = os.write(self.process.stdin.fileno(), line)
+            sent = os.write(self.process.stdin.fileno(), bell)
         except BlockingIOError:
             sent = 0
         except OSError:  # EPIPE: the child is gone; EBADF: the pipe was closed
             raise await self._died(name) from None
-        if sent < len(line):
+        if sent < len(bell):
             with trio.CancelScope(shield=True):
                 try:
-                    await self.process.stdin.send_all(memoryview(line)[sent:])
+                    await self.process.stdin.send_all(bell[sent:])
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     raise await self._died(name) from None
 
-    async def _next_event(self, during: str) -> Envelope:
+    async def _reply(self, cid: int, name: str, expect: type):
+        """Wait for the event answering command `cid`: (envelope, step output or None, record ref, payload view);
+        the caller releases the record. Stale replies (to a cancelled caller's command) are released and skipped."""
         while True:
-            nl = self._buf.find(b"\n")
-            if nl >= 0:
-                self.received_mono_ms = time.monotonic_ns() / 1e6
-                line = bytes(self._buf[:nl])
-                del self._buf[:nl + 1]
-                return self._decode(line)
-            if len(self._buf) > MAX_LINE:
-                raise self._break(WorkerFatal("protocol", f"event line longer than {MAX_LINE} bytes"))
-            # read() on the non-blocking pipe, waiting only when it is empty: the stream's receive_some would add a
-            # pass through the scheduler before it looks
-            fd = self.process.stdout.fileno()
+            env, out, ref, view = await self._next_event(name)
+            ev = env.event
+            if isinstance(ev, Fatal):
+                self._release(ref, view)
+                raise self._break(WorkerFatal(ev.kind, ev.detail))
+            if env.reply_to != cid:
+                self._release(ref, view)
+                if env.reply_to < cid:
+                    continue
+                raise self._break(WorkerFatal("protocol", f"reply to command {env.reply_to} before command "
+                                                          f"{cid} was answered"))
+            if isinstance(ev, CommandError):
+                self._release(ref, view)
+                raise WorkerCommandError(ev.command, ev.reason)
+            if not isinstance(ev, expect):
+                self._release(ref, view)
+                raise self._break(WorkerFatal("protocol", f"{name} was answered with {type(ev).__name__}, "
+                                                          f"expected {expect.__name__}"))
+            return env, out, ref, view
+
+    async def _next_event(self, during: str):
+        bell = await self._read_doorbell(during)
+        self.received_mono_ms = time.monotonic_ns() / 1e6
+        ref = RecordRef(*DOORBELL.unpack(bell))
+        try:
+            view = self.egress.payload(ref)
+        except RecordError as exc:
+            raise self._break(WorkerFatal(f"record.{exc.field}", str(exc))) from None
+        try:
+            env, out = decode_event_record(view, ref)
+        except WireError as exc:
+            self._release(ref, view)
+            raise self._break(WorkerFatal("protocol", f"bad event record: {exc}")) from None
+        if env.seq != self._last_seq + 1 or env.pid != self.pid or env.reply_to != ref.object_id:
+            self._release(ref, view)
+            raise self._break(WorkerFatal("protocol", f"event {env.seq} (after {self._last_seq}) from pid {env.pid} "
+                                                      f"replying to {env.reply_to} in record {ref.object_id}; the "
+                                                      f"worker is {self.pid}"))
+        self._last_seq = env.seq
+        self.events.append(env)
+        return env, out, ref, view
+
+    async def _read_doorbell(self, during: str) -> bytes:
+        # read() on the non-blocking pipe, waiting in wait_readable only when it is empty: the one wake-up of this
+        # direction. No poll, no timer: the child's write is what wakes us, its death (EOF) too.
+        fd = self.process.stdout.fileno()
+        while len(self._buf) < DOORBELL.size:
             try:
-                chunk = os.read(fd, 1 << 16)
+                chunk = os.read(fd, 1 << 12)
             except BlockingIOError:
-                window = self._poll_window
                 try:
-                    if window is not None and (now := time.perf_counter()) < window[1]:
-                        if now < window[0]:  # sleep until the reply is nearly due (or comes early)
-                            with trio.move_on_after(window[0] - now):
-                                await trio.lowlevel.wait_readable(fd)
-                        else:  # poll: the other tasks run between two reads
-                            await trio.lowlevel.checkpoint()
-                    else:
-                        await trio.lowlevel.wait_readable(fd)
+                    await trio.lowlevel.wait_readable(fd)
                 except trio.ClosedResourceError:
                     raise await self._died(during) from None
                 continue
@@ -394,19 +369,16 @@ class Worker:
             if not chunk:
                 raise await self._died(during)
             self._buf += chunk
+        bell = bytes(self._buf[:DOORBELL.size])
+        del self._buf[:DOORBELL.size]
+        return bell
 
-    def _decode(self, line: bytes) -> Envelope:
+    def _release(self, ref: RecordRef, view: memoryview) -> None:
         try:
-            env = decode_event(line)
-        except WireError as exc:
-            raise self._break(WorkerFatal("protocol", f"bad event line: {exc}")) from None
-        if env.seq != self._last_seq + 1:
-            raise self._break(WorkerFatal("protocol", f"event sequence {env.seq} after {self._last_seq}"))
-        if env.pid != self.pid:
-            raise self._break(WorkerFatal("protocol", f"event from pid {env.pid}, the worker is {self.pid}"))
-        self._last_seq = env.seq
-        self.events.append(env)
-        return env
+            view.release()
+        except BufferError:
+            pass
+        self.egress.release(ref)
 
     async def _died(self, during: str) -> WorkerError:
         if self._broken is not None:
@@ -427,7 +399,6 @@ class Worker:
             if self.process.returncode is None and not isinstance(exc, WorkerDied):
                 self.process.kill()
         return exc
-
 
 @asynccontextmanager
 async def open_worker(*, device: str | None = None, arena_bytes: int = DEFAULT_ARENA_BYTES,

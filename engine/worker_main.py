@@ -1,8 +1,14 @@
-"""The worker process: one `engine.stage.Stage` driven by typed commands on stdin, answering with typed events.
+"""The worker process: one `engine.stage.Stage` driven by typed commands, answering with typed events.
 
 Run as `python -m engine.worker_main --arena-fd FD --arena-bytes N` by `engine.worker.open_worker`.
-The real stdout is kept (as a private, non-inheritable fd) for events only; fd 1 and `sys.stdout` are pointed at
-stderr, so tinygrad's DEBUG prints and anything a compiler subprocess writes cannot corrupt the event channel.
+Commands arrive as records in the arena's ingress ring, events leave as records in its egress ring
+(engine.worker_records); the pipes carry only doorbells, one `RecordRef` per record: the loop blocks in read() on
+stdin until the client rings, and rings the client on the event fd. The real stdout is kept (as a private,
+non-inheritable fd) for doorbells only; fd 1 and `sys.stdout` are pointed at stderr, so tinygrad's DEBUG prints and
+anything a compiler subprocess writes cannot corrupt the channel.
+
+A Step's activations are read by the Stage straight from its ingress record (a numpy view of the arena: one copy,
+into the device's input buffer), and its output is written into the StepDone record behind the event's fields.
 
 Rules the loop enforces:
 - a command out of order (Load before Initialize, Step before Load) or with wrong arguments is answered with a
@@ -23,14 +29,16 @@ from typing import NoReturn
 
 import numpy as np
 
-from engine.arena import EGRESS, INGRESS, Arena, ArenaError, RecordError, RingFull, RingReader, RingWriter
+from engine.arena import (EGRESS, INGRESS, Arena, ArenaError, PayloadKind, RecordError, RecordRef, RingFull,
+                          RingReader, RingWriter)
 from engine.device import (DeviceChoice, DeviceError, apply_device, choose_device, cpu_choice, probe_device,
                            quick_default)
 from engine.platform import current
 from engine.errors import EngineError
-from engine.worker_proto import (MAX_LINE, BlockTable, CommandError, Done, Event, Fatal, Initialize, Load, Loaded,
-                                 Ready, Reset, Rollback, Shutdown, Step, StepDone, Stopped, WireError, WorkerInfo,
-                                 ZeroSlot, command_name, decode_command, encode_event)
+from engine.worker_proto import (BlockTable, CommandError, Done, Event, Fatal, Initialize, Load, Loaded, Ready, Reset, Rollback,
+                                 Shutdown, Step, Stopped, WireError, WorkerInfo, ZeroSlot, command_name)
+from engine.worker_records import (DOORBELL, doorbell, DTYPE_NAME, KIND_BY_DTYPE, StepRecord, decode_command_record,
+                                   encode_event_record, step_done_head)
 
 
 # Test-only (bench/placement_bench.py, tests/test_placement.py): every step of this worker sleeps this many ms per
@@ -48,19 +56,30 @@ class _Refuse(Exception):
 
 
 class Emitter:
-    """Stamps events with the envelope and writes them, one line each, to the event fd."""
+    """Stamps events with the envelope, writes each as a record to the egress ring and rings the client."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, egress: RingWriter | None) -> None:
         self.fd = fd
+        self.egress = egress
         self.pid = os.getpid()
         self.seq = 0
 
     def emit(self, event: Event, reply_to: int) -> None:
+        record = encode_event_record(event, reply_to, self.seq + 1, self.pid)
         self.seq += 1
-        line = encode_event(event, seq=self.seq, wall_ms=time.time_ns() / 1e6, mono_ms=time.monotonic_ns() / 1e6,
-                            span_id=f"worker-{self.pid}/{self.seq}/{type(event).__name__}", pid=self.pid,
-                            reply_to=reply_to)
-        view = memoryview(line)
+        self.post([record], reply_to)
+
+    def post(self, parts, reply_to: int) -> None:
+        """One event record (its parts back to back), then its doorbell. A record that cannot be written (the
+        client stopped reading) leaves a line on stderr and exits: the client then sees EOF and names the death."""
+        if self.egress is None:
+            raise _Exit(1)
+        try:
+            ref = self.egress.write_parts(reply_to, PayloadKind.MESSAGE, parts)
+        except ArenaError as exc:
+            print(f"worker {self.pid}: event {self.seq} cannot be written: {exc}", file=sys.stderr, flush=True)
+            raise _Exit(1) from None
+        view = memoryview(doorbell(ref))
         while view:
             view = view[os.write(self.fd, view):]
 
@@ -74,23 +93,42 @@ class WorkerLoop:
         self.initialized = False
         self.stage = None
         self.last_step_id = -1
-        self.handlers = {Initialize: self.on_initialize, Load: self.on_load, Step: self.on_step,
+        self.handlers = {Initialize: self.on_initialize, Load: self.on_load, Step: self.on_json_step,
                          ZeroSlot: self.on_zero_slot, BlockTable: self.on_block_table, Reset: self.on_reset,
                          Rollback: self.on_rollback,
                          Shutdown: self.on_shutdown}
 
     # ---- dispatch ----
 
-    def handle(self, line: bytes) -> None:
+    def handle(self, ref: RecordRef) -> None:
+        """One command record: check it, decode it, act, answer with one event record."""
         try:
-            cmd = decode_command(line)
+            payload = self.ingress.payload(ref)
+        except RecordError as exc:
+            self.fatal(f"record.{exc.field}", str(exc), 0)
+        try:
+            cmd = decode_command_record(payload)
         except WireError as exc:
+            _release(payload)
+            self.ingress.release(ref)
             if exc.command is None or exc.cid is None:
                 self.fatal("protocol", str(exc), 0)
             self.out.emit(CommandError(exc.command, str(exc)), exc.cid)
             return
+        if type(cmd) is StepRecord:
+            try:
+                self.guarded(cmd.cmd, lambda: self.on_step(cmd, payload))
+            finally:
+                _release(payload)
+                self.ingress.release(ref)  # a refused Step still consumes its record
+            return
+        _release(payload)
+        self.ingress.release(ref)
+        self.guarded(cmd, lambda: self.out.emit(self.handlers[type(cmd)](cmd), cmd.cid))
+
+    def guarded(self, cmd, run) -> None:
         try:
-            self.out.emit(self.handlers[type(cmd)](cmd), cmd.cid)
+            run()
         except _Refuse as exc:
             self.out.emit(CommandError(command_name(cmd), str(exc)), cmd.cid)
         except _Exit:
@@ -165,64 +203,62 @@ class WorkerLoop:
                                  warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0,
                                  kv_blocks=stage.kv_blocks, kv_block_size=stage.kv_block_size))
 
-    def on_step(self, cmd: Step) -> Event:
-        hidden = None
-        if cmd.input is not None:
-            try:
-                hidden = self.ingress.view(cmd.input)
-            except RecordError as exc:
-                self.fatal(f"record.{exc.field}", str(exc), cmd.cid)
-        try:
-            return self._step(cmd, hidden)
-        finally:
-            if cmd.input is not None:
-                del hidden
-                self.ingress.release(cmd.input)
+    def on_json_step(self, cmd: Step) -> Event:
+        raise _Refuse("a Step travels as a step record, not as JSON")
 
-    def _step(self, cmd: Step, hidden: np.ndarray | None) -> Event:
+    def on_step(self, rec: StepRecord, payload: memoryview) -> None:
+        cmd = rec.cmd
         stage = self._need_stage("Step")
-        from common.values import Column, Sampling
         if cmd.step_id <= self.last_step_id:
             raise _Refuse(f"step id {cmd.step_id} does not follow the previous step id {self.last_step_id}")
         if not cmd.columns:
             raise _Refuse("a step needs at least one column")
+        hidden = None
         if stage.first:
-            if cmd.input is not None:
-                raise _Refuse("the first stage takes tokens from the columns, not an input record")
+            if rec.act_kind:
+                raise _Refuse("the first stage takes tokens from the columns, not input activations")
         else:
-            if cmd.input is None:
+            if not rec.act_kind:
                 raise _Refuse(f"stage [{stage.start}, {stage.end}) needs input activations, none were given")
-            if cmd.input.object_id != cmd.step_id:
-                raise _Refuse(f"input record object id {cmd.input.object_id} is not the step id {cmd.step_id}")
             want = np.dtype(stage.act_dtype)
-            if hidden.dtype != want or hidden.size != len(cmd.columns) * stage.meta.dim:
-                raise _Refuse(f"input holds {hidden.size} {hidden.dtype} values, the stage needs "
-                              f"{len(cmd.columns)}x{stage.meta.dim} {want}")
-            hidden = hidden.reshape(len(cmd.columns), stage.meta.dim)
-        try:
-            cols = [Column(c.pos, c.slot, c.needs_logits, c.token) for c in cmd.columns]
-            samplings = [Sampling(**s) for s in cmd.sampling]
-        except (TypeError, ValueError, EngineError) as exc:
-            raise _Refuse(f"bad columns or sampling: {exc}") from None
-        if not cmd.per_column and len(samplings) != 1:
-            raise _Refuse(f"{len(samplings)} sampling entries where one applies to all columns")
-        sampling = samplings if cmd.per_column else samplings[0]
+            if np.dtype(DTYPE_NAME[rec.act_kind]) != want or rec.dim != stage.meta.dim:
+                raise _Refuse(f"input holds {len(cmd.columns)}x{rec.dim} {np.dtype(DTYPE_NAME[rec.act_kind])} "
+                              f"values, the stage needs {len(cmd.columns)}x{stage.meta.dim} {want}")
+            # a view of the record: the Stage copies it once, into its device input buffer
+            hidden = np.frombuffer(payload, want, len(cmd.columns) * rec.dim, rec.act_offset)
+            hidden = hidden.reshape(len(cmd.columns), rec.dim)
+        if not cmd.per_column and len(cmd.sampling) != 1:
+            raise _Refuse(f"{len(cmd.sampling)} sampling entries where one applies to all columns")
         t0 = time.perf_counter()
         try:
-            out = stage.step(cols, hidden, sampling)
+            out = stage.step(cmd.columns, hidden, cmd.sampling if cmd.per_column else cmd.sampling[0])
         except EngineError as exc:
             raise _Refuse(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            del hidden
         if _SLOW_MS_PER_LAYER:  # test-only: a device this many ms per layer slower (a sleep: it costs no CPU)
             time.sleep(_SLOW_MS_PER_LAYER * (stage.end - stage.start) / 1000)
         compute_ms = (time.perf_counter() - t0) * 1000
         self.last_step_id = cmd.step_id
+        out = np.ascontiguousarray(out)
+        kind = KIND_BY_DTYPE.get(out.dtype.name)
+        if kind is None:
+            self.fatal("output", f"step {cmd.step_id} output has dtype {out.dtype}, no ring kind", cmd.cid)
+        rows, cols = (out.shape[0], 1) if out.ndim == 1 else out.shape
+        out_ = self.out
+        out_.seq += 1
+        head = step_done_head(cmd.cid, out_.seq, out_.pid, cmd.step_id, compute_ms, kind, rows, cols)
         try:
-            ref = self.egress.write(cmd.step_id, np.ascontiguousarray(out))
+            ref = self.egress.write_parts(cmd.cid, PayloadKind.MESSAGE, (head, out.reshape(-1).view(np.uint8)))
         except RingFull as exc:
+            out_.seq -= 1
             self.fatal("ring_full", f"step {cmd.step_id} output could not be written: {exc}", cmd.cid)
         except ArenaError as exc:
+            out_.seq -= 1
             self.fatal("output", f"step {cmd.step_id} output could not be written: {exc}", cmd.cid)
-        return StepDone(cmd.step_id, ref, compute_ms)
+        view = memoryview(doorbell(ref))
+        while view:
+            view = view[os.write(out_.fd, view):]
 
     def _stage_call(self, what: str, fn, *args) -> Event:
         self._need_stage(what)
@@ -249,6 +285,13 @@ class WorkerLoop:
         raise _Exit(0)
 
 
+def _release(view: memoryview) -> None:
+    try:
+        view.release()
+    except BufferError:
+        pass  # something still holds a view of the record; the arena mapping outlives it, the ring moves on
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine.worker_main")
     parser.add_argument("--arena-fd", type=int, required=True)
@@ -261,23 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     event_fd = os.dup(1)  # non-inheritable: compiler subprocesses never see the event channel
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    emitter = Emitter(event_fd)
     try:
         arena = Arena.attach(args.arena_fd, args.arena_bytes)
     except ArenaError as exc:
-        emitter.emit(Fatal("arena", str(exc)), 0)
-        return 1
-    loop = WorkerLoop(arena, emitter)
+        print(f"worker {os.getpid()}: {exc}", file=sys.stderr, flush=True)
+        return 1  # no ring to answer in: the client sees EOF and names the exit
+    loop = WorkerLoop(arena, None)
+    loop.out = Emitter(event_fd, loop.egress)
     stdin = sys.stdin.buffer
     try:
         while True:
-            line = stdin.readline(MAX_LINE + 1)
-            if not line:
+            bell = stdin.read(DOORBELL.size)  # blocks until the client rings: the one wake-up of this direction
+            if not bell:
                 return 0  # the client went away: nobody is left to answer
-            if not line.endswith(b"\n"):
-                loop.fatal("protocol", f"command line longer than {MAX_LINE} bytes or cut short", 0)
-            if line.strip():
-                loop.handle(line)
+            if len(bell) != DOORBELL.size:
+                loop.fatal("protocol", f"doorbell of {len(bell)} bytes, expected {DOORBELL.size}", 0)
+            loop.handle(RecordRef(*DOORBELL.unpack(bell)))
     except _Exit as exc:
         return exc.code
     except BrokenPipeError:

@@ -14,19 +14,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import trio
 
 import transport
+from engine.arena import PayloadKind
 from engine.gguf_meta import read_model_meta
 from engine.worker import open_worker
 from mesh import proto
-from mesh.convert import from_activation, to_activation
 from mesh.errors import HopError, MeshError, single_errors
 from mesh.identity import model_identity, verify_file
 from mesh.link import AuthFailed, LinkClosed, LinkError, PreAuthGate, RemoteError, open_link
@@ -36,6 +36,9 @@ from mesh.rtc_lane import open_rtc_lanes
 
 log = logging.getLogger("mesh.peer")
 HANDSHAKE_SECONDS = 10.0
+_RING_KIND = {"f16": PayloadKind.ACT_F16, "f32": PayloadKind.ACT_F32}     # wire dtype -> worker ring kind
+_WIRE_DTYPE = {int(v): k for k, v in _RING_KIND.items()}
+_TOKENS = int(PayloadKind.TOKENS_I32)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Peer:
         self.rtc = None                     # mesh.rtc_lane.RtcLanes: the WebRTC rung, for the peer's lifetime
         self.inbound: set[trio.CancelScope] | None = None   # the current session's inbound hops; None between
         self.gate = PreAuthGate()           # inbound hops still authenticating
+        self.stage_times = None             # a file that gets one line of phase times per step (MESH_STAGE_TIMES)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -99,6 +103,8 @@ class Peer:
             self.worker = worker
             self.rtc = rtc
             self.backend = f"{worker.ready.device}" if worker.ready else ""
+            if os.environ.get("MESH_STAGE_TIMES"):   # a directory: bench/mesh_bench.py's per-stage breakdown
+                self.stage_times = open(Path(os.environ["MESH_STAGE_TIMES"]) / f"peer-{os.getpid()}.txt", "a")
             if self.cfg.layers:
                 await self._load(self.cfg.model, *self.cfg.layers)
                 self.loaded_fingerprint = self.identity
@@ -366,13 +372,24 @@ class Peer:
                 await trio.sleep_forever()
 
     async def _handle_step(self, ev, link) -> None:
+        """One step: its activations go from the decoded frame's bytes into the worker's step record, the output
+        from the StepDone record's bytes into the forwarded frame; no numpy on the way, and the forward is sent by
+        this task as soon as the worker's doorbell wakes it (no hand-over to another task)."""
         if self.loaded is None:
             await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, "no layers loaded yet"))
             return
+        t0 = time.perf_counter()
         if isinstance(ev, proto.Step):
             cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
             ev = proto.BatchStep(ev.group, False, tuple(cols), ev.hidden, ev.sampling)
-        t0 = time.perf_counter()
+        hidden = ev.hidden
+        if hidden is None:
+            data, kind, dim = None, 0, 0
+        else:
+            kind = _RING_KIND.get(hidden.dtype)
+            if kind is None:
+                raise ValueError(f"activations of dtype {hidden.dtype} cannot go to a worker (f16 or f32 only)")
+            data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
         # Uncontended (every decode step) the lock is taken without a pass through trio's scheduler; the worker's
         # wait for its reply is the checkpoint.
         try:
@@ -380,20 +397,27 @@ class Peer:
         except trio.WouldBlock:
             await self.compute.acquire()
         try:
-            # the wire decoded the columns and sampling into the engine's own types (common.values)
-            out = await self.worker.step(ev.columns, from_activation(ev.hidden), ev.sampling)
-            last = self.loaded[1] == self.loaded_total
-            if last:
-                tokens = tuple(int(t) for t in out)
+            out = await self.worker.step_raw(ev.columns, data, kind, dim, ev.sampling)
+            t1 = time.perf_counter()
+            if out.kind == _TOKENS:
+                tokens = struct.unpack(f"<{out.rows}i", out.data)
                 reply = proto.Done(ev.group, tokens) if self.forward else proto.Tokens(ev.group, tokens)
             else:
-                hidden = to_activation(np.asarray(out))
-                reply = proto.BatchStep(ev.group, ev.wide, ev.columns, hidden, ev.sampling) if self.forward \
-                    else proto.Hidden(ev.group, hidden)
+                act = proto.Activation(_WIRE_DTYPE[out.kind], (out.rows, out.cols), out.data)
+                reply = proto.BatchStep(ev.group, ev.wide, ev.columns, act, ev.sampling) if self.forward \
+                    else proto.Hidden(ev.group, act)
             await (self.forward.link if self.forward else link).send(reply)
         finally:
             self.compute.release()
-        self.report.record(ev.columns, time.perf_counter() - t0, self.vocab)
+        t2 = time.perf_counter()
+        self.report.record(ev.columns, t2 - t0, self.vocab)
+        if self.stage_times is not None:
+            # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
+            # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage
+            to_w = out.done_ms - out.compute_ms - out.sent_ms
+            print(f"{len(ev.columns)} {(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} "
+                  f"{out.compute_ms:.4f} {out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f}",
+                  file=self.stage_times, flush=True)
 
     async def _handle_inband(self, ev) -> None:
         if self.worker is not None and self.loaded is not None:

@@ -10,7 +10,9 @@ import pytest
 import trio
 import trio.testing
 
-from engine.arena import INGRESS
+from engine.arena import INGRESS, PayloadKind, RecordRef
+from engine.worker_proto import Reset
+from engine.worker_records import doorbell, encode_small
 from engine.worker import WorkerCommandError, WorkerDied, WorkerFatal, open_worker
 
 pytestmark = pytest.mark.slow  # each test starts a process that imports tinygrad
@@ -51,7 +53,7 @@ async def test_out_of_order_and_wrong_arguments_are_command_errors_not_fatal(tmp
         with pytest.raises(WorkerCommandError, match="send Load before Rollback"):
             await w.rollback(0, 0)
         # refused at the client, before anything reaches the ring or the pipe
-        with pytest.raises(WorkerCommandError, match="sampling must be"):
+        with pytest.raises(WorkerCommandError, match="sampling entries must be Sampling"):
             await w.step([Column(0, 0, True, 1)], np.zeros((1, 4), np.float32), "greedy")
         with pytest.raises(WorkerCommandError, match="cannot be sent"):
             await w.load(junk, np.int64(0), 1)
@@ -91,14 +93,19 @@ async def test_a_worker_that_exits_reports_its_exit_code():
         assert info.value.exit_code == 0 and info.value.signal is None and "exited with code 0" in str(info.value)
 
 
+def _command_record(w, cid: int) -> RecordRef:
+    """A well-formed Reset record in the ingress ring, not yet announced."""
+    return w.ingress.write_parts(cid, PayloadKind.MESSAGE, [encode_small(Reset(cid))])
+
+
 async def test_corrupt_ingress_record_is_a_fatal_naming_the_field():
-    from engine.stage import Column, Sampling
     async with open_worker(device="CPU") as w:
-        ref = w.ingress.write(w.next_step_id, np.zeros((1, 8), dtype=np.float32))
+        ref = _command_record(w, 1000)
         off = w.arena.data_base(INGRESS) + ref.position % w.arena.capacity
         w.arena.buffer[off:off + 4] = b"JUNK"
+        await w.process.stdin.send_all(doorbell(ref))
         with pytest.raises(WorkerFatal) as info:
-            await w.step_record([Column(0, 0)], ref, Sampling())
+            await w.reset()
         assert info.value.kind == "record.magic" and info.value.field == "magic"
         with pytest.raises(WorkerFatal):  # the worker is gone for good
             await w.reset()
@@ -106,21 +113,20 @@ async def test_corrupt_ingress_record_is_a_fatal_naming_the_field():
 
 
 async def test_out_of_sequence_ingress_record_is_fatal():
-    from engine.stage import Column, Sampling
     async with open_worker(device="CPU") as w:
-        w.ingress.write(w.next_step_id, np.zeros(4, dtype=np.float32))  # written, never announced
-        ref = w.ingress.write(w.next_step_id, np.zeros(4, dtype=np.float32))
+        _command_record(w, 1000)  # written, never announced
+        await w.process.stdin.send_all(doorbell(_command_record(w, 1001)))
         with pytest.raises(WorkerFatal) as info:
-            await w.step_record([Column(0, 0)], ref, Sampling())
+            await w.reset()
         assert info.value.field == "sequence"
 
 
-async def test_garbage_on_the_control_channel_is_fatal():
+async def test_garbage_on_the_doorbell_pipe_is_fatal():
     async with open_worker(device="CPU") as w:
-        await w.process.stdin.send_all(b"\x00garbage\n")
+        await w.process.stdin.send_all(b"\x00garbage\n")  # the next doorbell is read out of step: a ref to nowhere
         with pytest.raises(WorkerFatal) as info:
             await w.reset()
-        assert info.value.kind == "protocol" and "not JSON" in info.value.detail
+        assert info.value.kind.startswith("record.")
 
 
 async def test_unknown_device_fails_its_probe_fatally():
