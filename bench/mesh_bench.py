@@ -12,7 +12,13 @@ unsharded tok/s (mean step time, median round), ratio = median unsharded step / 
 min..max over rounds), the ratio of the mean step times (median round), and the per-hop extra of the median steps.
 Peers are separate processes on loopback; the coordinator runs in this process. Per-hop overhead is the extra time per
 token over the unsharded engine divided by the hops a token crosses (coordinator -> peer 1 -> ... -> peer k -> sink:
-k + 1 hops).
+k + 1 hops); per-stage overhead (issue 10's measure) divides the same extra by the k stages.
+
+Then, per stage, the medians over its decode steps of where a step goes inside the peer (the peers log them when
+MESH_STAGE_TIMES names a directory; mesh/peer.py): receive (from the op loop taking the frame to the worker's
+record posted), to device (doorbell to the child starting the step: ring and wake-up), compute (Stage.step, which
+copies the input into the device buffer and the output back), from device (the child's StepDone to the client
+holding it: ring and wake-up), send (frame, seal and write to the successor).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -69,6 +76,20 @@ def _depth(model: Path) -> int:
 
 
 OPEN = False
+TIMES_DIR = ""
+PHASES = ("receive", "to device", "compute", "from device", "send")
+
+
+def stage_breakdown(directory: str) -> list[tuple[tuple[int, int], int, list[float]]]:
+    """Per stage (by layer range): the number of decode steps logged and the median ms of each phase."""
+    rows: dict[tuple[int, int], list[list[float]]] = {}
+    for f in Path(directory).glob("peer-*.txt"):
+        for line in f.read_text().splitlines():
+            v = line.split()
+            if len(v) == 8 and v[2] == "1":          # decode steps only (one column)
+                rows.setdefault((int(v[0]), int(v[1])), []).append([float(x) for x in v[3:]])
+    return [(rng, len(steps), [statistics.median(s[i] for s in steps) for i in range(len(PHASES))])
+            for rng, steps in sorted(rows.items())]
 
 
 @asynccontextmanager
@@ -81,6 +102,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...])
     coord = Coordinator(cfg)
     procs = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    if TIMES_DIR:
+        env["MESH_STAGE_TIMES"] = TIMES_DIR
     env.pop("MESH_TOKEN", None)
     if token:
         env["MESH_TOKEN"] = token
@@ -136,6 +159,7 @@ async def main() -> None:
     ids = tok.encode(PROMPT)
     print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}, "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
+    global TIMES_DIR
     rows = [(f"mesh, {k} peer{'s' * (k > 1)}", k, ()) for k in map(int, args.peers.split(","))]
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))
@@ -144,7 +168,9 @@ async def main() -> None:
         local = LocalPipeline(w)
         ref = await warm_up(local, ids, args.tokens)
         print(f"{'':32s} {'tok/s':>7s} {'unsharded':>9s}   {'ratio (min..max)':>21s}   {'mean-based':>10s}")
+        breakdowns = []
         for name, k, rtc in rows:
+            TIMES_DIR = tempfile.mkdtemp(prefix="mesh-stage-times-")
             async with meshed(model, k, args.chain, rtc) as pipe:
                 same = await warm_up(pipe, ids, args.tokens) == ref
                 rounds = []
@@ -157,9 +183,17 @@ async def main() -> None:
             mid = statistics.median
             ratios = sorted(r[0] for r in rounds)
             overhead_ms = mid(r[4] for r in rounds) / (k + 1) * 1e3
+            per_stage_ms = mid(r[4] for r in rounds) / k * 1e3
             print(f"{name:32s} {mid(r[2] for r in rounds):7.2f} {mid(r[3] for r in rounds):9.2f}   "
                   f"{mid(ratios):.3f} ({ratios[0]:.3f}..{ratios[-1]:.3f})   {mid(r[1] for r in rounds):10.3f}   "
-                  f"{overhead_ms:+.2f} ms/hop   {'bitwise equal' if same else 'DIFFERENT TOKENS'}")
+                  f"{overhead_ms:+.2f} ms/hop   {per_stage_ms:+.2f} ms/stage   "
+                  f"{'bitwise equal' if same else 'DIFFERENT TOKENS'}", flush=True)
+            breakdowns.append((name, stage_breakdown(TIMES_DIR)))
+        print("per stage, medians of its decode steps in ms: " + ", ".join(PHASES))
+        for name, stages in breakdowns:
+            for (a, b), n, ms in stages:
+                print(f"  {name:32s} layers {a:2d}..{b:2d} ({n:3d} steps)  " + "  ".join(f"{x:7.3f}" for x in ms)
+                      + f"   phases other than compute {sum(ms) - ms[2]:.3f}")
     from engine.gguf_meta import read_model_meta
     p2p, sink = hop_bytes(read_model_meta(model).dim)
     print(f"bytes per token per hop: {p2p} between peers (hidden state + step), {sink} to the sink (the token); "

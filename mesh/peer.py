@@ -415,7 +415,7 @@ class Peer:
             # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
             # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage
             to_w = out.done_ms - out.compute_ms - out.sent_ms
-            print(f"{len(ev.columns)} {(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} "
+            print(f"{self.loaded[0]} {self.loaded[1]} {len(ev.columns)} {(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} "
                   f"{out.compute_ms:.4f} {out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f}",
                   file=self.stage_times, flush=True)
 
