@@ -15,11 +15,12 @@ cid; an event's reply_to). Commands then carry:
                (temperature f64, top_k u64, top_p f64, seed u64), zero bytes up to a multiple of 64 from the record's
                payload start, then count x dim activations of `act kind` (none when the kind is 0)
     ZERO_SLOT  slot u32          ROLLBACK  slot u32 | pos u32          RESET, SHUTDOWN  nothing
+    BLOCK_TABLE  slot u32, then count x block u32
     JSON       the rest of the record is one JSON command of engine.worker_proto (Initialize, Load: rare, with paths)
 Events carry after the prefix: seq u64 | pid u32 | pad u32 | wall_ms f64 | mono_ms f64 (the envelope), then:
     STEP_DONE  step_id u64 | compute_ms f64 | out kind u8 | pad u8 x 3 | rows u32 | cols u32 | pad u32, zero bytes
                up to 64, then rows x cols values (tokens: cols = 1)
-    DONE       aux = the command type it answers (ZERO_SLOT, RESET, ROLLBACK)
+    DONE       aux = the command type it answers (ZERO_SLOT, RESET, ROLLBACK, BLOCK_TABLE)
     JSON       the rest is one JSON event line of engine.worker_proto (Ready, Loaded, CommandError, Fatal, Stopped)
 The decoder checks every count against the bytes present before it builds anything, and every flag and value against
 the shared rules (common.values); a violation is `WireError` naming the message and field, as for the JSON lines.
@@ -33,7 +34,7 @@ from typing import Sequence
 
 from common.values import Column, Sampling
 from engine.arena import RecordRef
-from engine.worker_proto import (Command, CommandError, Done, Envelope, Event, Reset, Rollback, Shutdown, Step,
+from engine.worker_proto import (BlockTable, Command, CommandError, Done, Envelope, Event, Reset, Rollback, Shutdown, Step,
                                  StepDone, WireError, ZeroSlot, command_name, decode_command, decode_event,
                                  encode_command, encode_event)
 
@@ -56,9 +57,9 @@ _SLOT_POS = struct.Struct("<II")
 ALIGN = 64
 
 # message types (the prefix's first field)
-M_STEP, M_ZERO_SLOT, M_RESET, M_ROLLBACK, M_SHUTDOWN, M_JSON = 1, 2, 3, 4, 5, 15
+M_STEP, M_ZERO_SLOT, M_RESET, M_ROLLBACK, M_SHUTDOWN, M_BLOCK_TABLE, M_JSON = 1, 2, 3, 4, 5, 6, 15
 E_STEP_DONE, E_DONE, E_JSON = 1, 2, 15
-_DONE_NAMES = {M_ZERO_SLOT: "ZeroSlot", M_RESET: "Reset", M_ROLLBACK: "Rollback"}
+_DONE_NAMES = {M_ZERO_SLOT: "ZeroSlot", M_RESET: "Reset", M_ROLLBACK: "Rollback", M_BLOCK_TABLE: "BlockTable"}
 _DONE_CODES = {v: k for k, v in _DONE_NAMES.items()}
 
 # activation / output kinds: engine.arena.PayloadKind values (TOKENS_I32 1, ACT_F16 2, ACT_F32 3); 0 = none
@@ -105,6 +106,9 @@ def encode_small(cmd: Command) -> bytes:
         return PREFIX.pack(M_RESET, 0, 0, cmd.cid)
     if t is Shutdown:
         return PREFIX.pack(M_SHUTDOWN, 0, 0, cmd.cid)
+    if t is BlockTable:
+        return PREFIX.pack(M_BLOCK_TABLE, 0, len(cmd.blocks), cmd.cid) + struct.pack(f"<I{len(cmd.blocks)}I", cmd.slot,
+                                                                                      *cmd.blocks)
     return PREFIX.pack(M_JSON, 0, 0, cmd.cid) + encode_command(cmd)
 
 
@@ -119,6 +123,12 @@ def decode_command_record(payload: memoryview) -> Command | StepRecord:
         return _decode_step(payload, count, cid)
     if mtype == M_JSON:
         return decode_command(bytes(payload[PREFIX.size:]))
+    if mtype == M_BLOCK_TABLE:
+        if aux or body != 4 * (1 + count):
+            raise WireError(f"BlockTable record: {body} body bytes for {count} blocks, aux {aux}",
+                            command="BlockTable", cid=cid)
+        slot, *blocks = struct.unpack_from(f"<I{count}I", payload, PREFIX.size)
+        return BlockTable(cid, slot, tuple(blocks))
     name = {M_ZERO_SLOT: "ZeroSlot", M_ROLLBACK: "Rollback", M_RESET: "Reset", M_SHUTDOWN: "Shutdown"}.get(mtype)
     if name is None:
         raise WireError(f"unknown command record type {mtype}")

@@ -8,7 +8,7 @@ import pytest
 
 from common.values import Column, Sampling
 from engine.arena import EGRESS, Arena, PayloadKind, RecordRef, RingReader, RingWriter
-from engine.worker_proto import CommandError, Done, Initialize, Load, Reset, Rollback, Shutdown, StepDone, WireError, \
+from engine.worker_proto import BlockTable, CommandError, Done, Initialize, Load, Reset, Rollback, Shutdown, StepDone, WireError, \
     ZeroSlot
 from engine.worker_records import (DOORBELL, StepRecord, decode_command_record, decode_event_record, doorbell,
                                    encode_event_record, encode_small, step_done_head, step_head)
@@ -37,7 +37,8 @@ def test_a_step_record_round_trips_and_points_at_its_activations():
     assert first.act_kind == 0 and first.act_bytes == 0
 
 
-@pytest.mark.parametrize("cmd", [ZeroSlot(3, 1), Rollback(4, 2, 17), Reset(5), Shutdown(6),
+@pytest.mark.parametrize("cmd", [ZeroSlot(3, 1), Rollback(4, 2, 17), Reset(5), Shutdown(6), BlockTable(9, 2, (4, 0, 7)),
+                                 BlockTable(10, 0, ()),
                                  Initialize(7, "CPU"), Load(8, "/m.gguf", 0, 4, 2, 64, 1)],
                          ids=lambda c: type(c).__name__)
 def test_small_commands_round_trip(cmd):
@@ -80,7 +81,7 @@ def test_events_round_trip_through_the_egress_ring_with_their_envelope():
     w, r = RingWriter(arena, EGRESS), RingReader(arena, EGRESS)
     out = np.array([11, 12, 13], np.int32)
     for i, parts in enumerate([[step_done_head(7, 1, 99, 9, 1.25, 1, 3, 1), out],
-                               [encode_event_record(Done("Rollback"), 8, 2, 99)],
+                               [encode_event_record(Done("BlockTable"), 8, 2, 99)],
                                [encode_event_record(CommandError("Step", "no model"), 9, 3, 99)]]):
         ref = w.write_parts(7 + i, PayloadKind.MESSAGE, parts)
         assert RecordRef(*DOORBELL.unpack(doorbell(ref))) == ref
@@ -91,7 +92,7 @@ def test_events_round_trip_through_the_egress_ring_with_their_envelope():
             assert env.event == StepDone(9, ref, 1.25) and (where.kind, where.rows, where.cols) == (1, 3, 1)
             assert np.array_equal(np.frombuffer(view[where.offset:where.offset + where.nbytes], np.int32), out)
         else:
-            assert where is None and env.event == (Done("Rollback"), CommandError("Step", "no model"))[i - 1]
+            assert where is None and env.event == (Done("BlockTable"), CommandError("Step", "no model"))[i - 1]
         view.release()
         r.release(ref)
     arena.close()
