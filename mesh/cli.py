@@ -127,6 +127,22 @@ def _hops(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--webrtc-hops {text!r}: expected hop numbers like 1,2") from None
 
 
+def _name(text: str) -> str:
+    from mesh.registry import name_problem
+    if not text or (why := name_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(f"--name {text!r}: {why or 'must not be empty'}")
+    return text
+
+
+def _default_name() -> str:
+    """The hostname's first label, made a valid name (a hostname can hold anything on some systems)."""
+    import re
+    import socket
+    from mesh.registry import MAX_NAME
+    host = socket.gethostname().split(".")[0]
+    return re.sub(r"[^\w.@+-]", "_", host)[:MAX_NAME] or "peer"
+
+
 def _token(prog: str, args) -> bytes | None:
     """The fleet token from --token or $MESH_TOKEN; None only with --insecure-open. Problems are caught here, before
     anything starts: both given, neither given (mesh-coord then makes one), a short one."""
@@ -180,10 +196,13 @@ def _generated_token(listen: str) -> bytes:
     return tok.encode()
 
 
-def _logging(verbose: bool) -> None:
+def _logging(verbose: bool, who: str = "") -> None:
+    """`who`: the peer's name, put in every log line so that logs of several peers gathered in one place still
+    say which peer each line is about."""
     from mesh.logsafe import install
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s {who.replace('%', '%%') + ' ' if who else ''}%(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     for handler in logging.getLogger().handlers:    # network text escaped, one line a record, repeats limited
         install(handler)
 
@@ -532,6 +551,10 @@ def peer_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-peer", description="Lend this machine's layers to a mesh.")
     p.add_argument("--join", required=True, type=_addr("--join"),
                    help="the coordinator's registry, HOST:PORT or ws://HOST:PORT")
+    p.add_argument("--name", type=_name, default=None,
+                   help="how the fleet names this peer in its messages (default: this machine's hostname)")
+    p.add_argument("--no-show-text", dest="show_text", action="store_false",
+                   help="do not print the conversation this peer serves (the [donor] lines show it by default)")
     p.add_argument("--retry-for", type=_seconds, default=RETRY_FOREVER, metavar="SECONDS",
                    help="give up (exit 1) when the coordinator could not be reached for this long (default: keep "
                         "trying; a peer re-joins after every session)")
@@ -553,7 +576,8 @@ def peer_parser() -> argparse.ArgumentParser:
 
 def peer_main(argv: list[str] | None = None) -> None:
     args = peer_parser().parse_args(argv)
-    _logging(args.verbose)
+    args.name = args.name or _default_name()
+    _logging(args.verbose, args.name)
     from mesh.peer import Peer, PeerConfig, memory_hint_mb
 
     if args.layers and not args.model:
@@ -569,10 +593,10 @@ def peer_main(argv: list[str] | None = None) -> None:
             model = Path(resolve_source(args.model))
         except Exception as exc:
             sys.exit(f"mesh-peer: model {args.model}: {exc}")
-    cfg = PeerConfig(join=args.join, token=token, listen=args.listen, advertise=args.advertise, model=model,
-                     layers=args.layers, memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir,
-                     device=args.device, max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
-                     ice=_ice("mesh-peer", args))
+    cfg = PeerConfig(join=args.join, token=token, name=args.name, show_text=args.show_text, listen=args.listen,
+                     advertise=args.advertise, model=model, layers=args.layers,
+                     memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir, device=args.device,
+                     max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for, ice=_ice("mesh-peer", args))
     if model is not None:
         _check_model("mesh-peer", model)
     _run("mesh-peer", Peer(cfg).run)

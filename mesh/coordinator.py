@@ -21,6 +21,7 @@ from engine.chat import render_prompt
 from engine.gguf_meta import read_model_meta
 from engine.tokenizer import StreamDecoder, Tokenizer
 from mesh import proto
+from mesh.admission import layer_mb, leave_out
 from mesh.errors import FleetError, HopError, SessionError
 from mesh.identity import model_identity
 from mesh.link import LinkError, PreAuthGate, RemoteError, open_link
@@ -103,6 +104,8 @@ class Fleet:
         self._stats_lock = trio.Lock()
         self._stats_owed: list[int] = []
         self.stages = 1                 # stages of the chain being formed, the coordinator's own layers counted
+        self.layer_mb = layer_mb(cfg.model)      # the least memory a stage needs: one layer's weights
+        self.left_out: list[Member] = []
 
     @property
     def first_layer(self) -> int:
@@ -117,6 +120,7 @@ class Fleet:
             if r.fingerprint and r.fingerprint != self.identity:
                 raise FleetError(f"{r.name} holds a different model (identity {r.fingerprint[:16]}, "
                                  f"the coordinator's {self.cfg.model.name} is {self.identity[:16]})")
+        members, reports = await self._admit(members, reports)
         ranges = self._keep_loaded(reports)
         if ranges is None:
             try:
@@ -156,6 +160,27 @@ class Fleet:
             warmup = decode_widths(self.cfg.n_slots, self.stages if self.cfg.chain == "p2p" else 1)
         return proto.Load(r[0], r[1], self.meta.n_layers, self.identity, digest, self.cfg.n_slots,
                           self.cfg.max_context, warmup)
+
+    async def _admit(self, members: list[Member], reports: list[StageReport]):
+        """Leave out the peers that cannot take part (mesh.admission), telling each why; plan the rest."""
+        out = leave_out(self.first_layer, self.meta.n_layers, reports, self.layer_mb)
+        if len(out) == len(members):
+            raise FleetError("no peer can take part: " + "; ".join(e.reason for e in out))
+        for e in out:
+            await self.leave(members[e.index], e.code, e.reason)
+        gone = {e.index for e in out}
+        return ([m for i, m in enumerate(members) if i not in gone],
+                [r for i, r in enumerate(reports) if i not in gone])
+
+    async def leave(self, m: Member, code: proto.LeftOutCode, reason: str) -> None:
+        """Tell `m` why this session goes on without it and release it: it re-joins and waits in the pool."""
+        log.warning("left out %s", reason)
+        self.left_out.append(m)
+        try:
+            await m.link.send(proto.LeftOut(code, reason))
+        except LinkError:
+            pass                                   # gone already; the pool forgets it either way
+        m.release()
 
     def _keep_loaded(self, reports: list[StageReport]) -> list[tuple[int, int]] | None:
         """The ranges the peers already hold, if they already form a valid chain of this model: a fleet that

@@ -45,6 +45,8 @@ _TOKENS = int(PayloadKind.TOKENS_I32)
 class PeerConfig:
     join: str
     token: bytes | None = None
+    name: str = ""                     # how the fleet names this peer (--name; the CLI defaults it to the hostname)
+    show_text: bool = True             # the [donor] line shows the text being served (--no-show-text: it does not)
     listen: str = "0.0.0.0:0"
     advertise: str | None = None
     model: Path | None = None
@@ -56,7 +58,8 @@ class PeerConfig:
     max_context: int = 2048
     warmup: int = 1                    # decode widths compiled at load (Worker.load); 0: each shape on first use
     report_every: float = 5.0
-    rejoin_max_delay: float = 5.0
+    rejoin_delay: float = 0.25         # the first retry after losing the coordinator; doubles up to the cap
+    rejoin_max_delay: float = 15.0
     retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
 
@@ -89,7 +92,7 @@ class Peer:
         self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
-        self.report = DonorReport()
+        self.report = DonorReport(show_text=cfg.show_text)
         self.listen_port = 0
         self.rtc = None                     # mesh.rtc_lane.RtcLanes: the WebRTC rung, for the peer's lifetime
         self.inbound: set[trio.CancelScope] | None = None   # the current session's inbound hops; None between
@@ -117,7 +120,7 @@ class Peer:
                 nursery.cancel_scope.cancel()
 
     async def _join_loop(self) -> None:
-        delay = 0.25
+        delay = self.cfg.rejoin_delay
         unreachable_since: float | None = None      # when the coordinator was last reachable, if it is not now
         while True:
             why = ""
@@ -132,7 +135,7 @@ class Peer:
                 unreachable_since = None
                 try:
                     await self._session(stream)
-                    delay = 0.25
+                    delay = self.cfg.rejoin_delay
                     continue
                 except AuthRefused as exc:
                     raise AuthRefused(f"coordinator {self.cfg.join} refused us: {exc}") from None
@@ -144,9 +147,10 @@ class Peer:
                 if self.cfg.retry_for is not None and now - unreachable_since + delay > self.cfg.retry_for:
                     raise MeshError(f"coordinator {self.cfg.join} unreachable for {now - unreachable_since:.0f}s "
                                     f"(--retry-for {self.cfg.retry_for:g}): {why}")
-                log.warning("coordinator %s unreachable: %s; retrying in %.1fs", self.cfg.join, why, delay)
+                log.warning("coordinator %s unreachable for %s: %s; next try in %.3gs", self.cfg.join,
+                            _waited(now - unreachable_since), why, delay)
             await trio.sleep(delay)
-            delay = min(delay * 2, self.cfg.rejoin_max_delay)
+            delay = backoff(delay, self.cfg.rejoin_max_delay)
 
     async def _session(self, stream) -> None:
         try:
@@ -154,8 +158,8 @@ class Peer:
                 async with open_link(stream, token=self.cfg.token, role="client") as link:
                     handshake.deadline = math.inf       # the deadline bounds the handshake only
                     await link.send(proto.Join(self.listen_port, self.cfg.advertise or "", self.cfg.memory_mb,
-                                               *(self.cfg.layers or (-1, -1))))
-                    log.info("joined coordinator %s", self.cfg.join)
+                                               *(self.cfg.layers or (-1, -1)), self.cfg.name))
+                    log.info("joined coordinator %s as %s", self.cfg.join, self.cfg.name or "an unnamed peer")
                     self.inbound = set()
                     try:
                         with single_errors():
@@ -218,6 +222,10 @@ class Peer:
                 await self._fail_forward(link, f"{exc.reason}", exc.code)
                 continue
             if isinstance(ev, proto.Shutdown):
+                return
+            if isinstance(ev, proto.LeftOut) and control:
+                log.warning("left out of this session by the coordinator: %s (%s); waiting in its pool for the "
+                            "next one", clean(ev.reason), ev.code.name.lower().replace("_", " "))
                 return
             try:
                 await self._dispatch(ev, link, nursery, control)
@@ -446,6 +454,18 @@ class Peer:
             line = self.report.line()
             if line:
                 print(line, file=sys.stderr, flush=True)
+
+
+def backoff(delay: float, cap: float) -> float:
+    """The next wait after `delay`: doubled, capped, with up to 10% taken off at random so that peers that lost
+    one coordinator together do not all dial it again in the same instant."""
+    import random
+    return min(delay * 2, cap) * (1 - 0.1 * random.random())
+
+
+def _waited(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
 def _host_for_dial(host: str | None) -> str:

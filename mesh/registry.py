@@ -21,6 +21,17 @@ from mesh.logsafe import clean
 
 log = logging.getLogger("mesh.registry")
 HANDSHAKE_SECONDS = 10.0
+MAX_NAME = 64
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a peer in messages, or None. A name is one printable word of at most MAX_NAME
+    characters (a hostname fits): it lands in logs and the topology map, so no spaces, no control characters."""
+    if len(name) > MAX_NAME:
+        return f"is {len(name)} characters, at most {MAX_NAME} allowed"
+    if not name.isprintable() or any(c.isspace() for c in name):
+        return "must be printable, without spaces"
+    return None
 
 
 @dataclass(eq=False)
@@ -29,6 +40,7 @@ class Member:
     host: str
     join: proto.Join
     number: int
+    label: str = ""                 # the peer's own name (Join.name), made unique in the pool; "" = "peer N"
     released: trio.Event = field(default_factory=trio.Event)
     gone: bool = False
 
@@ -42,7 +54,8 @@ class Member:
 
     @property
     def name(self) -> str:
-        return f"peer {self.number} ({self.host})"
+        """How every message names this peer: its own name (or its join number) and where it joined from."""
+        return f"{self.label or f'peer {self.number}'} ({self.host})"
 
     def release(self) -> None:
         self.released.set()
@@ -83,8 +96,13 @@ class Registry:
                             await link.send(proto.Error(proto.ErrorCode.BAD_REQUEST, f"Join.advertise: {exc}"))
                             log.warning("refused %s: %s", host, clean(exc))
                             return
+                    if (why := name_problem(first.name)) is not None:
+                        await link.send(proto.Error(proto.ErrorCode.BAD_REQUEST, f"Join.name {clean(first.name, 80)!r} "
+                                                                                 f"{why}"))
+                        log.warning("refused %s: its name %r %s", host, clean(first.name, 80), why)
+                        return
                     self._joined += 1
-                    member = Member(link, host, first, self._joined)
+                    member = Member(link, host, first, self._joined, self._unique(first.name, host))
                     self._add(member)
                     try:
                         # Held until a session is done with it, or until the peer goes away while pooled (the
@@ -102,6 +120,21 @@ class Registry:
             log.warning("refused peer %s: %s", host, exc)
         except (LinkError, proto.ProtoError, transport.TransportError) as exc:
             log.warning("peer %s: %s", host, exc)
+
+    def _unique(self, name: str, host: str) -> str:
+        """The peer's name, or name#2, name#3... when a pooled peer already uses it (two peers on one host both
+        default to its hostname)."""
+        if not name:
+            return ""
+        taken = {m.label for m in self.members}
+        label, k = name, 1
+        while label in taken:
+            k += 1
+            label = f"{name}#{k}"
+        if k > 1:
+            log.warning("%s (%s) joined under a name already in the pool; calling it %s (give each peer its own "
+                        "--name)", name, host, label)
+        return label
 
     def _add(self, m: Member) -> None:
         self.members.append(m)

@@ -18,6 +18,7 @@ class DonorReport:
     busy_s: float = 0.0                 # seconds computing, over the stage's life (mesh.proto Stats)
     window: deque = field(default_factory=lambda: deque(maxlen=256))   # (monotonic time, columns, busy seconds)
     recent: bytearray = field(default_factory=bytearray)
+    show_text: bool = True        # False (--no-show-text): the line leaves out the conversation being served
     _printed_steps: int = -1
 
     def record(self, columns, busy_s: float, vocab: tuple[bytes, ...]) -> None:
@@ -25,6 +26,8 @@ class DonorReport:
         self.columns += len(columns)
         self.busy_s += busy_s
         self.window.append((time.monotonic(), len(columns), busy_s))
+        if not self.show_text:
+            return
         # Prefill columns are the prompt; a decode step's column is the token generated one step before.
         for tok in (c.token for c in columns):
             if 0 <= tok < len(vocab):
@@ -46,5 +49,8 @@ class DonorReport:
             return None
         self._printed_steps = self.steps
         layers = f"layers {self.layers[0]}..{self.layers[1]}" if self.layers else "no layers"
+        head = f"[donor] {layers} | {self.steps} steps | {self.rate():.1f} tok/s"
+        if not self.show_text:
+            return head
         text = self.recent.decode("utf-8", "replace").replace("\n", " ")[-60:]
-        return f"[donor] {layers} | {self.steps} steps | {self.rate():.1f} tok/s | serving: {text!r}"
+        return f"{head} | serving: {text!r}"

@@ -27,6 +27,8 @@ SAMPLES: list[p.Event] = [
     p.Shutdown(),
     p.Join(7000, "10.0.0.5:7000", 8192, 0, 12),
     p.Join(7001, "", 4096),
+    p.Join(7002, "", 0, -1, -1, "studio-mac"),
+    p.LeftOut(p.LeftOutCode.PINNED_OVERLAP, "pinned to layers 0..12, which overlap 10..20 of pi (10.0.0.9)"),
     p.InfoRequest(),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True, 512, 16),
@@ -207,6 +209,8 @@ def test_bad_headers(header, code):
     (p.MsgType.CHAIN, struct.pack("<I", 0) + b"\x02", "bool"),
     (p.MsgType.SIGNAL, b"\x09" + struct.pack("<I", 0), "SignalKind"),
     (p.MsgType.ERROR, struct.pack("<HI", 999, 0), "ErrorCode"),
+    (p.MsgType.LEFT_OUT, b"\x63" + struct.pack("<I", 0), "LeftOutCode"),
+    (p.MsgType.JOIN, struct.pack("<HIQii", 1, 0, 1, -1, -1), "needs 4 bytes"),   # a Join without its name
     (p.MsgType.ACK, struct.pack("<BHI", 250, 0, 0), "MsgType"),
     (p.MsgType.TOKENS, struct.pack("<II", 1, 1_000_000), "needs 4000000 bytes"),
     (p.MsgType.HIDDEN, struct.pack("<IBB", 0, 7, 1) + struct.pack("<I", 1), "dtype code"),

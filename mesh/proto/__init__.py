@@ -8,9 +8,10 @@ from .codec import (EOF_ as EOF, HANDSHAKE_MAX_FRAME, HEADER_SIZE, MAX_FRAME, MA
 from .errors import AuthError, ErrorCode, ProtocolError, ProtoError
 from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, AuthProof, BatchInit, BatchStep,
                      BlockTable, Chain, Column, Done, Draft, DraftBatch, DraftSeed, Error, Event, Hello, Hidden,
-                     Info, InfoRequest, Join, Load, LoadCode, MsgType, Ping, Pong, Reset, Rollback, RtcChain,
-                     RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd, ShipResume, Shutdown, Signal,
-                     SignalKind, Stats, StatsRequest, Step, Tokens, Vocab, Welcome, WindowUpdate, ZeroSlot)
+                     Info, InfoRequest, Join, LeftOut, LeftOutCode, Load, LoadCode, MsgType, Ping, Pong, Reset,
+                     Rollback, RtcChain, RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd,
+                     ShipResume, Shutdown, Signal, SignalKind, Stats, StatsRequest, Step, Tokens, Vocab, Welcome,
+                     WindowUpdate, ZeroSlot)
 from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
 
@@ -19,8 +20,9 @@ __all__ = [
     "NEED_DATA", "NONCE_SIZE", "PROTOCOL_VERSION", "Ack", "Activation", "AuthError", "AuthOk", "AuthProof",
     "BatchInit", "BatchStep", "BlockTable", "Chain", "ClientHandshake", "Codec", "Column", "Done", "Draft",
     "DraftBatch", "DraftSeed", "Error", "ErrorCode", "Event", "FlowWindow", "Hello", "Hidden", "Info",
-    "InfoRequest", "Join", "Liveness", "Load", "LoadCode", "MsgType", "Ping", "Pong", "ProtoError",
-    "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "Sampling", "SamplingParams", "ServerHandshake",
-    "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Stats", "StatsRequest", "Step", "Tokens",
+    "InfoRequest", "Join", "LeftOut", "LeftOutCode", "Liveness", "Load", "LoadCode", "MsgType", "Ping", "Pong",
+    "ProtoError", "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "Sampling", "SamplingParams",
+    "ServerHandshake", "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Stats",
+    "StatsRequest", "Step", "Tokens",
     "Vocab", "Welcome", "WindowUpdate", "ZeroSlot", "flow_controlled", "frame_cost",
 ]

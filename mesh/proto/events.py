@@ -43,6 +43,7 @@ class MsgType(IntEnum):
     CHAIN = 22
     STATS_REQUEST = 23
     STATS = 24
+    LEFT_OUT = 25
     # compute
     STEP = 32
     BATCH_STEP = 33
@@ -78,6 +79,16 @@ class LoadCode(IntEnum):
     FAIL = 1
     NEED_WEIGHTS = 2
     WRONG_CHECKPOINT = 3
+
+
+class LeftOutCode(IntEnum):
+    """Why the coordinator leaves a joined peer out of a session (`LeftOut.code`)."""
+
+    OTHER = 0
+    PINNED_OVERLAP = 1   # its --layers overlap a range another peer was pinned to first
+    MEMORY = 2           # it offers less memory than one layer of the model needs
+    TOO_SLOW = 3         # the planner predicts a faster chain without it
+    SURPLUS = 4          # more peers than layers to give them
 
 
 class SignalKind(IntEnum):
@@ -402,16 +413,18 @@ class Shutdown(Event):
 # --------------------------------------------------------------------------------------------------- fleet
 
 
-@_message(MsgType.JOIN, U16, STR, U64, I32, I32)
+@_message(MsgType.JOIN, U16, STR, U64, I32, I32, STR)
 @dataclass(frozen=True, slots=True)
 class Join(Event):
-    """Peer -> coordinator registration. advertise "" = derive from source address. pinned -1/-1 = unpinned."""
+    """Peer -> coordinator registration. advertise "" = derive from source address. pinned -1/-1 = unpinned.
+    `name`: what the peer calls itself (`--name`, default the hostname); the registry checks it (NAME_RULE)."""
 
     listen_port: int
     advertise: str
     memory_mb: int
     pinned_start: int = -1
     pinned_end: int = -1
+    name: str = ""
 
     def __post_init__(self) -> None:
         unpinned = self.pinned_start == -1 and self.pinned_end == -1
@@ -486,6 +499,16 @@ class Ack(Event):
     @property
     def ok(self) -> bool:
         return self.code == 0
+
+
+@_message(MsgType.LEFT_OUT, wire.Enum(LeftOutCode, "B"), STR)
+@dataclass(frozen=True, slots=True)
+class LeftOut(Event):
+    """Coordinator -> peer on its control link: this session goes on without you, and why (one line, with the
+    figures). The coordinator then releases the peer, which re-joins and waits in the pool for a later session."""
+
+    code: LeftOutCode
+    reason: str
 
 
 @_message(MsgType.VOCAB, VOCAB)
