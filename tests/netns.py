@@ -83,27 +83,13 @@ def coturn_unavailable() -> str | None:
 
 
 @dataclass
-class NatTopology:
-    """Names of the five namespaces of one test bed, and helpers to run things in them."""
+class _Bed:
+    """Namespaces of one test bed and the helpers to run things in them (NatTopology, LanTopology)."""
 
     suffix: str
-    symmetric: bool
     workdir: str
-    pub: str = field(init=False)
-    nat_a: str = field(init=False)
-    nat_b: str = field(init=False)
-    peer_a: str = field(init=False)
-    peer_b: str = field(init=False)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
     _made: list[str] = field(default_factory=list, init=False)
-
-    def __post_init__(self) -> None:
-        for role in ("pub", "nat_a", "nat_b", "peer_a", "peer_b"):
-            setattr(self, role, f"mesh-{self.suffix}-{role.replace('_', '')}")
-
-    @property
-    def namespaces(self) -> tuple[str, ...]:
-        return (self.pub, self.nat_a, self.nat_b, self.peer_a, self.peer_b)
 
     def cmd(self, ns: str, *argv: str) -> list[str]:
         """The argv that runs `argv` inside namespace `ns` (hand it to trio.run_process or subprocess)."""
@@ -123,21 +109,25 @@ class NatTopology:
         self._procs.append(proc)
         return proc
 
-    def start_coturn(self, *, user: str = TURN_USER, password: str = TURN_PASS) -> str:
-        """Run coturn (STUN and TURN with long-term credentials) on the public segment; return its log path."""
-        if (reason := coturn_unavailable()) is not None:
-            raise NetnsError(reason)
-        log = os.path.join(self.workdir, "coturn.log")
-        argv = [
-            "turnserver", "-n", f"--listening-ip={PUB_IP}", f"--relay-ip={PUB_IP}", f"--listening-port={STUN_PORT}",
-            "--realm=mesh", "--lt-cred-mech", f"--user={user}:{password}", "--no-tls", "--no-dtls", "--no-cli",
-            "--log-file=stdout", "--simple-log", f"--pidfile={self.workdir}/coturn.pid",
-            f"--userdb={self.workdir}/turndb", "--min-port=49152", "--max-port=49999",
-        ]
-        with open(log, "wb") as out:
-            proc = self.spawn(self.pub, argv, stdout=out, stderr=subprocess.STDOUT)
-        self.wait_bound(self.pub, STUN_PORT, "udp", proc, log)
-        return log
+    def _teardown(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for ns in reversed(self._made):
+            # Deleting a namespace deletes its interfaces (and their veth peers), rules and conntrack entries.
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _add_namespace(self, ns: str) -> None:
+        self.run(None, "ip", "netns", "add", ns)
+        self._made.append(ns)
+        self.run(ns, "ip", "link", "set", "lo", "up")
+
 
     def wait_bound(self, ns: str, port: int, kind: str = "tcp", proc: subprocess.Popen[bytes] | None = None,
                    log: str | None = None) -> None:
@@ -169,12 +159,46 @@ class NatTopology:
                 "except OSError as e:\n    print(type(e).__name__ + ': ' + str(e))\n")
         return self.run(ns, sys.executable, "-c", code).stdout.strip()
 
+
+@dataclass
+class NatTopology(_Bed):
+    """Names of the five namespaces of the NAT test bed."""
+
+    symmetric: bool = False
+    pub: str = field(init=False)
+    nat_a: str = field(init=False)
+    nat_b: str = field(init=False)
+    peer_a: str = field(init=False)
+    peer_b: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        for role in ("pub", "nat_a", "nat_b", "peer_a", "peer_b"):
+            setattr(self, role, f"mesh-{self.suffix}-{role.replace('_', '')}")
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return (self.pub, self.nat_a, self.nat_b, self.peer_a, self.peer_b)
+
+    def start_coturn(self, *, user: str = TURN_USER, password: str = TURN_PASS) -> str:
+        """Run coturn (STUN and TURN with long-term credentials) on the public segment; return its log path."""
+        if (reason := coturn_unavailable()) is not None:
+            raise NetnsError(reason)
+        log = os.path.join(self.workdir, "coturn.log")
+        argv = [
+            "turnserver", "-n", f"--listening-ip={PUB_IP}", f"--relay-ip={PUB_IP}", f"--listening-port={STUN_PORT}",
+            "--realm=mesh", "--lt-cred-mech", f"--user={user}:{password}", "--no-tls", "--no-dtls", "--no-cli",
+            "--log-file=stdout", "--simple-log", f"--pidfile={self.workdir}/coturn.pid",
+            f"--userdb={self.workdir}/turndb", "--min-port=49152", "--max-port=49999",
+        ]
+        with open(log, "wb") as out:
+            proc = self.spawn(self.pub, argv, stdout=out, stderr=subprocess.STDOUT)
+        self.wait_bound(self.pub, STUN_PORT, "udp", proc, log)
+        return log
+
     # --- building and tearing down ------------------------------------------------------------------------------
     def _build(self) -> None:
         for ns in self.namespaces:
-            self.run(None, "ip", "netns", "add", ns)
-            self._made.append(ns)
-            self.run(ns, "ip", "link", "set", "lo", "up")
+            self._add_namespace(ns)
         pub = self.pub
         self.run(pub, "ip", "link", "add", "br0", "type", "bridge")
         self.run(pub, "ip", "addr", "add", f"{PUB_IP}/24", "dev", "br0")
@@ -207,25 +231,57 @@ class NatTopology:
                 self.run(nat, "iptables", "-A", chain, "-i", "wan0", "-m", "conntrack", "--ctstate", "NEW,INVALID",
                          "-j", "DROP")
 
-    def _teardown(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for ns in reversed(self._made):
-            # Deleting a namespace deletes its interfaces (and their veth peers), rules and conntrack entries.
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @contextmanager
 def nat_topology(*, symmetric: bool = False) -> Iterator[NatTopology]:
     """Build the five-namespace NAT test bed; tear it down (processes included) even when the body fails."""
-    net = NatTopology(uuid.uuid4().hex[:8], symmetric, tempfile.mkdtemp(prefix="mesh-netns-"))
+    net = NatTopology(uuid.uuid4().hex[:8], tempfile.mkdtemp(prefix="mesh-netns-"), symmetric=symmetric)
+    try:
+        net._build()
+        yield net
+    finally:
+        net._teardown()
+
+
+LAN_NET = "198.18.8"
+
+
+@dataclass
+class LanTopology(_Bed):
+    """One LAN segment: a switch namespace with bridge br0, and one namespace per host with eth0 on it
+    (LAN_NET.11, .12, ... /24 in the order given), no router and no default route, as on a home network's
+    Wi-Fi or switch. Multicast and broadcast cross the bridge."""
+
+    hosts: tuple[str, ...] = ()
+    switch: str = field(init=False)
+    ns: dict[str, str] = field(init=False)
+    ip: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.switch = f"mesh-{self.suffix}-sw"
+        self.ns = {h: f"mesh-{self.suffix}-{h}" for h in self.hosts}
+        self.ip = {h: f"{LAN_NET}.{11 + i}" for i, h in enumerate(self.hosts)}
+
+    def _build(self) -> None:
+        self._add_namespace(self.switch)
+        self.run(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        self.run(self.switch, "ip", "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            ns = self.ns[host]
+            self._add_namespace(ns)
+            self.run(None, "ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}",
+                     "netns", self.switch)
+            self.run(self.switch, "ip", "link", "set", f"p{i}", "master", "br0", "up")
+            self.run(ns, "ip", "addr", "add", f"{self.ip[host]}/24", "dev", "eth0")
+            self.run(ns, "ip", "link", "set", "eth0", "up")
+
+
+@contextmanager
+def lan_topology(*hosts: str) -> Iterator[LanTopology]:
+    """Build one LAN segment with a namespace per host; tear it down (processes included) even when the body
+    fails."""
+    net = LanTopology(uuid.uuid4().hex[:8], tempfile.mkdtemp(prefix="mesh-netns-"), hosts=tuple(hosts))
     try:
         net._build()
         yield net
