@@ -162,6 +162,25 @@ def _token(prog: str, args) -> bytes | None:
     return tok.encode()
 
 
+def _resolve_model(spec: str) -> Path:
+    """resolve_source with a progress bar for a download (hf://, https://); a local file shows nothing."""
+    from engine.sources import resolve_source
+    from mesh.console import bar
+    shown = None
+
+    def on_progress(done: int, total: int | None) -> None:
+        nonlocal shown
+        if shown is None:
+            shown = bar(f"downloading {spec.rsplit('/', 1)[-1]}", total=total)
+        shown.total = total
+        shown.update(done - shown.n)
+    try:
+        return Path(resolve_source(spec, on_progress=on_progress))
+    finally:
+        if shown is not None:
+            shown.close()
+
+
 def _check_model(prog: str, path: Path) -> None:
     """Read the model's metadata before anything starts, so a file that is not a usable GGUF is one line."""
     from engine.gguf_meta import read_model_meta
@@ -192,7 +211,9 @@ def _generated_token(listen: str) -> bytes:
         host = socket.gethostname()
     print(f"mesh-coord: no --token given; this fleet's token is {tok}\n"
           f"mesh-coord: start each peer with:\n"
-          f"    {TOKEN_ENV}={tok} mesh-peer --join {host}:{port}", file=sys.stderr, flush=True)
+          f"    {TOKEN_ENV}={tok} mesh-peer\n"
+          f"mesh-coord: (it finds this coordinator on the local network; where multicast does not reach, add "
+          f"--join {host}:{port})", file=sys.stderr, flush=True)
     return tok.encode()
 
 
@@ -203,8 +224,11 @@ def _logging(verbose: bool, who: str = "") -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {who.replace('%', '%%') + ' ' if who else ''}%(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from mesh.console import install_log_stream
     for handler in logging.getLogger().handlers:    # network text escaped, one line a record, repeats limited
         install(handler)
+        if isinstance(handler, logging.StreamHandler):
+            install_log_stream(handler)             # printed around progress bars, held while an answer streams
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -219,6 +243,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="TURN server as turn:HOST:PORT?transport=udp with --turn-user/--turn-pass")
     p.add_argument("--turn-user", default="")
     p.add_argument("--turn-pass", default="")
+    p.add_argument("--discovery-port", type=int, default=9000, metavar="PORT",
+                   help="UDP port of LAN discovery (default 9000; the coordinator and its peers must agree)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -258,6 +284,8 @@ def coord_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="compile the decode step of 1..N sequences and the prefill chunks at load, before reporting "
                         "ready (default 1: a session decodes one; 0: compile each step shape when first used)")
+    p.add_argument("--no-discovery", action="store_true",
+                   help="do not answer peers that look for this fleet's coordinator on the local network")
     p.add_argument("--json", action="store_true",
                    help="with --prompt: print one JSON object (text, token ids, timings) instead of streaming text")
     _common(p)
@@ -278,12 +306,12 @@ def coord_main(argv: list[str] | None = None) -> None:
                          f"the port can use the model: pass --api-key KEY or set ${API_KEY_ENV} (clients then send "
                          f"'Authorization: Bearer KEY'), or serve on 127.0.0.1")
     _logging(args.verbose)
-    from engine.sources import default_model_path, resolve_source
+    from engine.sources import default_model_path
     from mesh.coordinator import CoordConfig
     from mesh.scheduler import slots_for    # --max-seqs sequences, and the scratch slot (NOTES Mesh "Scheduler")
 
     try:
-        model = resolve_source(args.model) if args.model else default_model_path()
+        model = _resolve_model(args.model) if args.model else default_model_path()
     except Exception as exc:
         sys.exit(f"mesh-coord: model {args.model or '(default)'}: {exc}")
     _check_model("mesh-coord", Path(model))
@@ -313,6 +341,11 @@ async def _run_coord(cfg, args) -> None:
     coord = Coordinator(cfg)
     async with trio.open_nursery() as nursery:
         port = await coord.serve_registry(nursery)
+        if not args.no_discovery:
+            from mesh.discovery import Responder
+            host = cfg.listen.rpartition(":")[0].strip("[]")
+            await nursery.start(Responder(cfg.token, "" if host in ("0.0.0.0", "::") else host, port,
+                                          _default_name(), port=args.discovery_port).serve)
         logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
                                              cfg.listen, port, cfg.min_peers)
         if args.prompt is not None:
@@ -392,6 +425,7 @@ async def _chat(coord, args, sampling) -> None:
     A stage lost mid-turn does not end the chat: the session closes (the surviving peers re-join), the mesh
     re-forms from whoever is in the pool, re-planning the layers, and the turn is answered again from the start of
     the conversation. The user sees a pause, then the rest of the answer."""
+    from mesh.console import answering
     from mesh.errors import SessionError
     from mesh.session import open_session
 
@@ -429,8 +463,10 @@ async def _chat(coord, args, sampling) -> None:
                 screen = _Shown(sys.stdout, skip=shown)
                 got: list[int] = []
                 try:
-                    out = await _stoppable(coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
-                                                        resume_from=common, stream_to=screen, on_token=got.append))
+                    with answering():     # log lines wait until the answer is whole
+                        out = await _stoppable(coord.answer(pipe, ids, max_tokens=args.max_tokens,
+                                                            sampling=sampling, resume_from=common, stream_to=screen,
+                                                            on_token=got.append))
                 except _Stopped:
                     # Ctrl-C stops this answer only. Steps may still be in flight down the chain, so the session
                     # closes and the fleet re-forms (the peers keep their layers); the conversation goes on.
@@ -549,8 +585,9 @@ def _get_status(base: str, key: str | None, timeout: float) -> dict:
 # ---- mesh-peer -----------------------------------------------------------------------------------------------
 def peer_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-peer", description="Lend this machine's layers to a mesh.")
-    p.add_argument("--join", required=True, type=_addr("--join"),
-                   help="the coordinator's registry, HOST:PORT or ws://HOST:PORT")
+    p.add_argument("--join", type=_addr("--join"),
+                   help="the coordinator's registry, HOST:PORT or ws://HOST:PORT (default: find a coordinator of "
+                        "this fleet on the local network)")
     p.add_argument("--name", type=_name, default=None,
                    help="how the fleet names this peer in its messages (default: this machine's hostname)")
     p.add_argument("--no-show-text", dest="show_text", action="store_false",
@@ -588,15 +625,15 @@ def peer_main(argv: list[str] | None = None) -> None:
                  f"--insecure-open to join an open fleet")
     model = None
     if args.model:
-        from engine.sources import resolve_source
         try:
-            model = Path(resolve_source(args.model))
+            model = _resolve_model(args.model)
         except Exception as exc:
             sys.exit(f"mesh-peer: model {args.model}: {exc}")
     cfg = PeerConfig(join=args.join, token=token, name=args.name, show_text=args.show_text, listen=args.listen,
                      advertise=args.advertise, model=model, layers=args.layers,
                      memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir, device=args.device,
-                     max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for, ice=_ice("mesh-peer", args))
+                     max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
+                     discovery_port=args.discovery_port, ice=_ice("mesh-peer", args))
     if model is not None:
         _check_model("mesh-peer", model)
     _run("mesh-peer", Peer(cfg).run)

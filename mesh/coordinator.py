@@ -22,7 +22,7 @@ from engine.gguf_meta import read_model_meta
 from engine.tokenizer import StreamDecoder, Tokenizer
 from mesh import proto
 from mesh.admission import layer_mb, leave_out
-from mesh.errors import FleetError, HopError, SessionError
+from mesh.errors import FleetError, HopError, SessionError, single_errors
 from mesh.identity import model_identity
 from mesh.link import LinkError, PreAuthGate, RemoteError, open_link
 from mesh.logsafe import clean
@@ -407,9 +407,12 @@ class Coordinator:
         fleet = Fleet(self.cfg, self.registry, self.tokenizer)
         if self.cfg.layers:
             from engine.worker import open_worker
+            from mesh.console import activity
             fleet.local = await stack.enter_async_context(open_worker(device=self.cfg.device))
-            await fleet.local.load(self.cfg.model, 0, self.cfg.layers[1], n_slots=self.cfg.n_slots,
-                                   max_context=self.cfg.max_context, warmup=self.cfg.warmup)
+            async with activity(f"loading layers 0..{self.cfg.layers[1]} of {self.cfg.model.name}"
+                                + (", compiling step shapes" if self.cfg.warmup else "")):
+                await fleet.local.load(self.cfg.model, 0, self.cfg.layers[1], n_slots=self.cfg.n_slots,
+                                       max_context=self.cfg.max_context, warmup=self.cfg.warmup)
         with trio.fail_after(RPC_SECONDS):
             topology = await fleet.negotiate(members)
         print(topology, file=sys.stderr, flush=True)
@@ -440,8 +443,19 @@ class Coordinator:
         limit = min(max_tokens, self.cfg.max_context - len(prompt_ids))
         if limit <= 0:
             raise SessionError(f"the prompt has {len(prompt_ids)} tokens, the context holds {self.cfg.max_context}")
-        result = await generate(pipe, prompt_ids, max_tokens=limit, sampling=sampling, eos_ids=eos,
-                                resume_from=resume_from, on_token=on_each)
+        from mesh.console import activity
+        todo = len(prompt_ids) - min(resume_from, len(prompt_ids) - 1)
+        with single_errors():
+            # A prefill that takes over a second shows a bar (prompt tokens done), gone at the first token.
+            async with activity(f"prefill of {todo} prompt tokens", total=todo, unit="tok", leave=False) as shown:
+                def on_first(tok: int) -> None:
+                    if waiting_first[0]:
+                        shown.update(todo - shown.n)
+                        shown.close()
+                    on_each(tok)
+                result = await generate(pipe, prompt_ids, max_tokens=limit, sampling=sampling, eos_ids=eos,
+                                        resume_from=resume_from, on_token=on_first,
+                                        on_prefill=lambda done: shown.update(done - shown.n))
         if stream_to is not None:
             stream_to.write(decoder.flush())
             stream_to.flush()

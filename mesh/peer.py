@@ -43,7 +43,7 @@ _TOKENS = int(PayloadKind.TOKENS_I32)
 
 @dataclass(frozen=True)
 class PeerConfig:
-    join: str
+    join: str | None                   # the coordinator's registry; None: find one on the LAN (mesh.discovery)
     token: bytes | None = None
     name: str = ""                     # how the fleet names this peer (--name; the CLI defaults it to the hostname)
     show_text: bool = True             # the [donor] line shows the text being served (--no-show-text: it does not)
@@ -60,6 +60,8 @@ class PeerConfig:
     report_every: float = 5.0
     rejoin_delay: float = 0.25         # the first retry after losing the coordinator; doubles up to the cap
     rejoin_max_delay: float = 15.0
+    discover_for: float = 10.0         # one round of LAN discovery; then the failure is said and the peer retries
+    discovery_port: int = 9000         # mesh.discovery.PORT
     retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
 
@@ -124,42 +126,58 @@ class Peer:
         unreachable_since: float | None = None      # when the coordinator was last reachable, if it is not now
         while True:
             why = ""
-            try:
-                with trio.fail_after(HANDSHAKE_SECONDS):
-                    stream = await transport.dial(self.cfg.join)
-            except trio.TooSlowError:
-                why = "no answer to our dial"
-            except transport.DialError as exc:
-                why = exc.reason
-            else:
-                unreachable_since = None
+            target = self.cfg.join
+            if target is None:                      # no --join: ask the LAN for a coordinator of our fleet
+                target, why = await self._discover()
+            if target is not None:
                 try:
-                    await self._session(stream)
-                    delay = self.cfg.rejoin_delay
-                    continue
-                except AuthRefused as exc:
-                    raise AuthRefused(f"coordinator {self.cfg.join} refused us: {exc}") from None
-                except (LinkError, transport.TransportError, HopError) as exc:
-                    log.warning("session with coordinator %s ended: %s", self.cfg.join, exc)
+                    with trio.fail_after(HANDSHAKE_SECONDS):
+                        stream = await transport.dial(target)
+                except trio.TooSlowError:
+                    why = "no answer to our dial"
+                except transport.DialError as exc:
+                    why = exc.reason
+                else:
+                    unreachable_since = None
+                    try:
+                        await self._session(stream, target)
+                        delay = self.cfg.rejoin_delay
+                        continue
+                    except AuthRefused as exc:
+                        raise AuthRefused(f"coordinator {target} refused us: {exc}") from None
+                    except (LinkError, transport.TransportError, HopError) as exc:
+                        log.warning("session with coordinator %s ended: %s", target, exc)
             if why:
                 now = trio.current_time()
                 unreachable_since = now if unreachable_since is None else unreachable_since
+                what = f"coordinator {target}" if target else "a coordinator of this fleet"
                 if self.cfg.retry_for is not None and now - unreachable_since + delay > self.cfg.retry_for:
-                    raise MeshError(f"coordinator {self.cfg.join} unreachable for {now - unreachable_since:.0f}s "
+                    raise MeshError(f"{what} unreachable for {now - unreachable_since:.0f}s "
                                     f"(--retry-for {self.cfg.retry_for:g}): {why}")
-                log.warning("coordinator %s unreachable for %s: %s; next try in %.3gs", self.cfg.join,
-                            _waited(now - unreachable_since), why, delay)
+                log.warning("%s unreachable for %s: %s; next try in %.3gs", what, _waited(now - unreachable_since),
+                            why, delay)
             await trio.sleep(delay)
             delay = backoff(delay, self.cfg.rejoin_max_delay)
 
-    async def _session(self, stream) -> None:
+    async def _discover(self) -> tuple[str | None, str]:
+        """(the registry address of a coordinator of our fleet on the LAN, "") or (None, why none was found)."""
+        from mesh.discovery import DiscoveryError, find_coordinator
+        try:
+            found = await find_coordinator(self.cfg.token, within=self.cfg.discover_for,
+                                           port=self.cfg.discovery_port)
+        except DiscoveryError as exc:
+            return None, str(exc)
+        log.info("found coordinator %s at %s on the local network", clean(found.name, 64) or "(unnamed)", found.addr)
+        return found.addr, ""
+
+    async def _session(self, stream, target: str) -> None:
         try:
             with trio.fail_after(HANDSHAKE_SECONDS) as handshake:
                 async with open_link(stream, token=self.cfg.token, role="client") as link:
                     handshake.deadline = math.inf       # the deadline bounds the handshake only
                     await link.send(proto.Join(self.listen_port, self.cfg.advertise or "", self.cfg.memory_mb,
                                                *(self.cfg.layers or (-1, -1)), self.cfg.name))
-                    log.info("joined coordinator %s as %s", self.cfg.join, self.cfg.name or "an unnamed peer")
+                    log.info("joined coordinator %s as %s", target, self.cfg.name or "an unnamed peer")
                     self.inbound = set()
                     try:
                         with single_errors():
@@ -174,7 +192,7 @@ class Peer:
                             scope.cancel()
                         self.inbound = None
         except trio.TooSlowError:
-            raise HopError(f"coordinator {self.cfg.join}: no handshake within {HANDSHAKE_SECONDS:.0f}s") from None
+            raise HopError(f"coordinator {target}: no handshake within {HANDSHAKE_SECONDS:.0f}s") from None
         except (AuthFailed, proto.AuthError) as exc:
             raise AuthRefused(str(exc)) from None
 
@@ -283,9 +301,12 @@ class Peer:
     async def _load(self, path: Path, start: int, end: int, n_slots: int | None = None,
                     max_context: int | None = None, warmup: int = 0) -> None:
         """Load a range; the session's slots, context and decode widths (Load) over the peer's own flags."""
+        from mesh.console import activity
         n_slots, max_context = n_slots or self.cfg.n_slots, max_context or self.cfg.max_context
-        info = await self.worker.load(path, start, end, n_slots=n_slots, max_context=max_context,
-                                      warmup=min(warmup or self.cfg.warmup, n_slots))
+        warmup = min(warmup or self.cfg.warmup, n_slots)
+        what = f"loading layers {start}..{end} of {path.name}" + (", compiling step shapes" if warmup else "")
+        async with activity(what):          # the worker reports nothing until both are done
+            info = await self.worker.load(path, start, end, n_slots=n_slots, max_context=max_context, warmup=warmup)
         self.loaded = (start, end)
         self.loaded_shape = (n_slots, max_context)
         self.loaded_fingerprint = info.fingerprint

@@ -184,8 +184,10 @@ class GenerationResult:
 
 async def generate(pipe: Pipeline, prompt: list[int], *, max_tokens: int, sampling: Sampling,
                    eos_ids: frozenset[int], slot: int = 0, resume_from: int = 0, chunk: int = 64,
-                   on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                   on_token: Callable[[int], None] | None = None,
+                   on_prefill: Callable[[int], None] | None = None) -> GenerationResult:
     """Prefill `prompt[resume_from:]` in chunks (KV before `resume_from` is kept), then decode up to `max_tokens`.
+    `on_prefill(columns done)` is called as each prefill chunk comes back (a progress display).
 
     Prefill chunks are all submitted before any answer is awaited: in peer-to-peer mode stage 1 computes chunk 2
     while stage 2 computes chunk 1. Only the last prefill column asks for logits.
@@ -199,7 +201,12 @@ async def generate(pipe: Pipeline, prompt: list[int], *, max_tokens: int, sampli
         b = min(a + chunk, len(prompt))
         cols = [Column(p, slot, p == len(prompt) - 1, prompt[p]) for p in range(a, b)]
         groups.append(await pipe.submit(cols, sampling))
-    answers = [await pipe.collect(g) for g in groups]
+    answers, done = [], 0
+    for g in groups:
+        answers.append(await pipe.collect(g))
+        done = min(done + chunk, len(prompt) - resume_from)
+        if on_prefill:
+            on_prefill(done)
     if not answers[-1]:
         raise SessionError("the last stage returned no token for the prompt")
     out: list[int] = []

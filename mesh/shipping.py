@@ -521,42 +521,23 @@ class ShipProgress:
 
 
 class ProgressBoard:
-    """One line per shipment on a terminal (redrawn in place); on a pipe, a line per shipment every `interval`."""
+    """A tqdm bar per shipment (mesh.console.bar): redrawn in place on a terminal, one bar per line while several
+    run; on a pipe, plain lines at most every few seconds and the last one."""
 
-    def __init__(self, stream: TextIO | None = None, *, interval: float = 2.0, tty: bool | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval = interval if not self.tty else 0.1
-        self._rows: dict[int, ShipProgress] = {}
-        self._last: dict[int, float] = {}
-        self._drawn = 0
+    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None) -> None:
+        self.stream, self.tty = stream, tty
+        self._bars: dict[int, object] = {}
 
     def update(self, p: ShipProgress, *, final: bool = False) -> None:
-        key = id(p)
-        self._rows[key] = p
-        if not final and p.now - self._last.get(key, -1e18) < self.interval:
-            return
-        self._last[key] = p.now
-        if self.tty:
-            if final:  # the finished line is drawn first and stays there, above the live ones
-                self._rows.pop(key)
-                self._redraw([p, *self._rows.values()])
-                self._drawn -= 1
-            else:
-                self._redraw(list(self._rows.values()))
-        else:
-            self.stream.write(p.line() + (" done" if final and p.done == p.total else "") + "\n")
-            if final:
-                self._rows.pop(key)
+        from mesh.console import bar
+        b = self._bars.get(id(p))
+        if b is None:
+            b = self._bars[id(p)] = bar(p.label, total=p.total, initial=p.resumed_at, stream=self.stream,
+                                        tty=self.tty)
+        b.update(p.done - b.n)
         if final:
-            self._last.pop(key, None)
-        self.stream.flush()
-
-    def _redraw(self, rows: list[ShipProgress]) -> None:
-        out = [f"\x1b[{self._drawn}F"] if self._drawn else []  # back to the first live line
-        out += [f"\x1b[2K{p.line()}\n" for p in rows]
-        self.stream.write("".join(out))
-        self._drawn = len(rows)
+            b.close()
+            del self._bars[id(p)]
 
 
 _board: ProgressBoard | None = None
@@ -635,13 +616,15 @@ class _Sink:
 
 
 async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.PathLike, *,
-                     write: WriteFn = os.write, log_every: float = 5.0) -> Path | None:
+                     write: WriteFn = os.write, progress_stream: TextIO | None = None) -> Path | None:
     """Receive one shipment whose ShipBegin the caller has already read from `link`.
 
     Returns the complete entry's path, or None when the shipment was refused or failed (the sender was told why,
     and the reason is logged). Link errors propagate; the partial stays on disk for a resume either way.
+    Progress: a bar on `progress_stream` (stderr; mesh.console).
     """
     rx = ShipReceiver(cache, write=write)
+    shown = None
     what = f"layers {begin.start}..{begin.end} of {begin.fingerprint[:16]}"
     try:
         reply = await trio.to_thread.run_sync(rx.receive, begin)
@@ -651,7 +634,8 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
             return None
         now = trio.current_time()
         progress = ShipProgress(f"receiving {what}", begin.total_bytes, now, rx.resumed_at, rx.resumed_at, now)
-        last = now
+        from mesh.console import bar
+        shown = bar(f"receiving {what}", total=begin.total_bytes, initial=rx.resumed_at, stream=progress_stream)
         log.info("ship of %s: %s", what, "already complete" if rx.resumed_at == begin.total_bytes
                  else f"resuming at {_mb(rx.resumed_at)} of {_mb(begin.total_bytes)} MB" if rx.resumed_at
                  else f"receiving {_mb(begin.total_bytes)} MB")
@@ -681,15 +665,14 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
                         ev = await link.receive()
                         await sink.put(ev)
                         progress.update(rx.pos, trio.current_time())
-                        if progress.now - last >= log_every:
-                            last = progress.now
-                            log.info("%s", progress.line())
+                        shown.update(rx.pos - shown.n)
                         if not isinstance(ev, proto.ShipChunk):
                             break  # ShipEnd (or a stray event, which the receiver refuses) ends the exchange
                 finally:
                     sink.stop()
         reply = verdict[0]
         progress.update(rx.pos, trio.current_time())
+        shown.close()
         if isinstance(reply, proto.Ack) and reply.code == ShipAck.OK:
             log.info("%s done in %.1fs", progress.line(), progress.now - progress.started)
             return rx.path
@@ -697,6 +680,8 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
             log.warning("ship of %s failed: %s", what, reply.reason)
         return None
     finally:
+        if shown is not None:
+            shown.close()
         rx.close()
 
 

@@ -61,7 +61,7 @@ def test_three_peers_equal_the_unsharded_engine(model, reference, chain, token, 
         code, answer, err = run_coord(start, port, model, *coord_args("--chain", chain, token=token))
     assert code == 0, err
     assert answer["tokens"] == reference, err
-    assert "stage 3: peer" in err and "layers 4..6" in err  # the topology map went to stderr
+    assert "stage 3: " in err and "layers 4..6" in err  # the topology map went to stderr
 
 
 def test_pinned_peers_joining_late_in_reverse_order(model, reference):
@@ -109,6 +109,30 @@ def test_refusals_name_the_peer_and_the_reason(model, tmp_path):
     assert bad.returncode != 0 and f"127.0.0.1:{port}" in bad_err.splitlines()[-1], bad_err
     assert coord.returncode == 0, err.decode()
     assert "refused" in err.decode() or "token" in err.decode()
+
+
+def test_an_overlapping_pinned_peer_is_left_out_and_told_why_by_name(model, reference, tmp_path):
+    """Two peers pinned to the same layers: the one that joined first serves, the other hears why (by name) and
+    waits in the pool; the coordinator no longer gives up."""
+    port = free_port()
+    logs = {name: tmp_path / f"{name}.log" for name in ("left", "right")}
+    with processes() as start:
+        for name in logs:
+            start(mesh_cmd("peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--warmup", "0",
+                           "--insecure-open", "--model", str(model), "--layers", "0:6", "--name", name),
+                  stdout=subprocess.DEVNULL, stderr=logs[name].open("wb"))
+        code, answer, err = run_coord(start, port, model, *coord_args(peers=2))
+        assert code == 0, err
+        assert answer["tokens"] == reference
+        out, kept = ("left", "right") if "left out left (" in err else ("right", "left")
+        assert f"stage 1: {kept} (127.0.0.1), layers 0..6" in err, err
+        why = f"{out} (127.0.0.1) is pinned to layers 0..6, which overlap layers 0..6 of {kept} (127.0.0.1), pinned first"
+        assert f"left out {why}" in err, err
+        deadline = time.monotonic() + 30
+        while f"left out of this session by the coordinator: {why} (pinned overlap)" not in logs[out].read_text():
+            assert time.monotonic() < deadline, logs[out].read_text()
+            time.sleep(0.1)
+        assert f" {out} mesh.peer: " in logs[out].read_text()     # the peer's own log lines carry its name
 
 
 def test_peers_rejoin_after_a_coordinator_restart(model, reference):
