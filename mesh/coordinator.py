@@ -169,6 +169,9 @@ class Fleet:
         for e in out:
             await self.leave(members[e.index], e.code, e.reason)
         gone = {e.index for e in out}
+        for i, m in enumerate(members):
+            if i not in gone:
+                self.registry.benched.discard(m.key)
         return ([m for i, m in enumerate(members) if i not in gone],
                 [r for i, r in enumerate(reports) if i not in gone])
 
@@ -176,6 +179,7 @@ class Fleet:
         """Tell `m` why this session goes on without it and release it: it re-joins and waits in the pool."""
         log.warning("left out %s", reason)
         self.left_out.append(m)
+        self.registry.benched.add(m.key)    # its re-join is no reason to re-form a serving fleet
         try:
             await m.link.send(proto.LeftOut(code, reason))
         except LinkError:

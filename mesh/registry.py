@@ -53,6 +53,11 @@ class Member:
         return f"{host}:{self.join.listen_port}"
 
     @property
+    def key(self) -> tuple:
+        """The same peer across its re-joins (a new Member each time): where it joins from, its hop port, its name."""
+        return (self.host, self.join.listen_port, self.join.advertise, self.join.name)
+
+    @property
     def name(self) -> str:
         """How every message names this peer: its own name (or its join number) and where it joined from."""
         return f"{self.label or f'peer {self.number}'} ({self.host})"
@@ -73,6 +78,7 @@ class Registry:
         self._joined = 0
         self._changed = trio.Event()
         self.gate = PreAuthGate()
+        self.benched: set[tuple] = set()   # Member.key of peers left out of the last session that formed
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await transport.serve_listener(host, port, self._admit, task_status=task_status)

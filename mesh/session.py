@@ -51,7 +51,8 @@ class Session:
 
     def newcomers(self) -> list:
         """Peers pooled since this session formed: a service may re-form to use them when it is idle."""
-        return [m for m in self.coord.registry.members if m not in self.members]
+        return [m for m in self.coord.registry.members if m not in self.members
+                and m.key not in self.coord.registry.benched]     # a left-out peer's re-join changes nothing
 
     async def _watch(self, m) -> None:
         why = await m.link.wait_failed()
