@@ -70,6 +70,10 @@ class AuthRefused(MeshError):
     """The coordinator refused our fleet token: retrying cannot help."""
 
 
+class PeerRefused(MeshError):
+    """The coordinator refused this peer's Join (its name or address): retrying cannot help."""
+
+
 @dataclass
 class Forward:
     """The successor hop in peer-to-peer mode: the next peer, or the coordinator's sink when `sink` is set."""
@@ -235,6 +239,9 @@ class Peer:
             except LinkClosed:
                 return
             except RemoteError as exc:
+                if control and exc.code == proto.ErrorCode.BAD_REQUEST:
+                    # The registry refused our Join (a name or an address it cannot use): retrying cannot help.
+                    raise PeerRefused(f"the coordinator refused this peer: {clean(exc.reason)}") from None
                 # A predecessor failed a step. In chain mode nobody upstream reads errors, so pass it on toward
                 # the sink, where the coordinator is waiting for this step's tokens.
                 await self._fail_forward(link, f"{exc.reason}", exc.code)

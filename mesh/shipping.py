@@ -524,8 +524,8 @@ class ProgressBoard:
     """A tqdm bar per shipment (mesh.console.bar): redrawn in place on a terminal, one bar per line while several
     run; on a pipe, plain lines at most every few seconds and the last one."""
 
-    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None) -> None:
-        self.stream, self.tty = stream, tty
+    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None, delay: float = 1.0) -> None:
+        self.stream, self.tty, self.delay = stream, tty, delay     # a shipment done within `delay` shows no bar
         self._bars: dict[int, object] = {}
 
     def update(self, p: ShipProgress, *, final: bool = False) -> None:
@@ -533,7 +533,7 @@ class ProgressBoard:
         b = self._bars.get(id(p))
         if b is None:
             b = self._bars[id(p)] = bar(p.label, total=p.total, initial=p.resumed_at, stream=self.stream,
-                                        tty=self.tty)
+                                        tty=self.tty, delay=self.delay)
         b.update(p.done - b.n)
         if final:
             b.close()
@@ -635,7 +635,8 @@ async def serve_ship(link, begin: proto.ShipBegin, cache: ShipCache | str | os.P
         now = trio.current_time()
         progress = ShipProgress(f"receiving {what}", begin.total_bytes, now, rx.resumed_at, rx.resumed_at, now)
         from mesh.console import bar
-        shown = bar(f"receiving {what}", total=begin.total_bytes, initial=rx.resumed_at, stream=progress_stream)
+        shown = bar(f"receiving {what}", total=begin.total_bytes, initial=rx.resumed_at, stream=progress_stream,
+                    delay=1.0)
         log.info("ship of %s: %s", what, "already complete" if rx.resumed_at == begin.total_bytes
                  else f"resuming at {_mb(rx.resumed_at)} of {_mb(begin.total_bytes)} MB" if rx.resumed_at
                  else f"receiving {_mb(begin.total_bytes)} MB")

@@ -10,6 +10,7 @@ import trio
 import transport
 from mesh import proto
 from mesh.admission import layer_mb, leave_out
+from mesh.errors import leaf_errors
 from mesh.link import RemoteError, open_link
 from mesh.peer import Peer, PeerConfig, backoff
 from mesh.planner import StageReport
@@ -156,3 +157,20 @@ def test_no_show_text_keeps_the_conversation_out_of_the_donor_line():
     line = hidden.line()
     assert line.startswith("[donor] layers 0..2 | 1 steps") and "serving" not in line and "secret" not in line
     assert hidden.recent == bytearray()
+
+
+async def test_a_peer_whose_join_is_refused_hears_why_and_stops(tmp_path):
+    from mesh.peer import PeerRefused
+    model = write_tiny_chat_model(tmp_path / "tiny.gguf", n_layers=2)
+    reg = Registry(TOKEN)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(reg.serve, "127.0.0.1", 0)
+        peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, name="two words", listen="127.0.0.1:0",
+                               model=model))
+        with pytest.raises(BaseException) as exc:           # the CLI makes it one line (mesh.cli._exit_on)
+            with trio.fail_after(60):
+                await peer.run()
+        (leaf,) = leaf_errors(exc.value)
+        assert isinstance(leaf, PeerRefused)
+        assert str(leaf) == "the coordinator refused this peer: Join.name 'two words' must be printable, without spaces"
+        nursery.cancel_scope.cancel()

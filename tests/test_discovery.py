@@ -100,3 +100,20 @@ async def test_a_responder_bound_to_one_address_answers_with_that_address():
             a = await d.find_coordinator(b"fleet-a-token-000000", within=10, port=port)
         assert a.addr == "127.0.0.1:9100"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_without_join_that_finds_nobody_says_so_and_suggests_join(caplog):
+    import logging
+
+    from mesh.errors import MeshError
+    from mesh.peer import Peer, PeerConfig
+    caplog.set_level(logging.WARNING, "mesh.peer")
+    peer = Peer(PeerConfig(join=None, token=b"nobody-answers-this-token", discover_for=0.3,
+                           discovery_port=_free_udp_port(), rejoin_delay=0.05, retry_for=0.5))
+    with pytest.raises(MeshError) as exc:
+        with trio.fail_after(20):
+            await peer._join_loop()
+    assert str(exc.value).startswith("a coordinator of this fleet unreachable for ")
+    assert "(--retry-for 0.5): no coordinator of this fleet answered on the local network within 0.3s" in str(exc.value)
+    assert "give its address with --join HOST:PORT" in str(exc.value)
+    assert "next try in" in caplog.text and "--join HOST:PORT" in caplog.text     # said before giving up

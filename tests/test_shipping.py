@@ -282,7 +282,7 @@ def test_progress_line_and_board():
     assert p.line() == ("peer-a layers 0..15: 60.0/100.0 MB  60.0%    20.0 MB/s ETA 0:00:02, "
                         "resumed at 20.0 MB")
     out = io.StringIO()
-    board = ProgressBoard(out, tty=False)
+    board = ProgressBoard(out, tty=False, delay=0)
     board.update(p)
     p.update(61_000_000, 12.5)
     board.update(p)  # within the interval: no new line on a pipe
@@ -296,7 +296,7 @@ def test_progress_line_and_board():
 
 def test_board_on_a_terminal_redraws_in_place():
     out = io.StringIO()
-    board = ProgressBoard(out, tty=True)
+    board = ProgressBoard(out, tty=True, delay=0)
     a = ShipProgress("peer-a", total=100, started=0.0)
     a.update(50, 1.0)
     board.update(a)

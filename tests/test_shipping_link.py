@@ -95,7 +95,7 @@ async def ship(plan, cache, *, write=os.write, board=None):
 async def test_shipping_over_a_link_lands_the_file_and_reports_progress(model, cache, tmp_path):
     out = io.StringIO()
     plan = plan_range_gguf(model, 2, 4)
-    result, paths = await ship(plan, cache, board=ProgressBoard(out, tty=False))
+    result, paths = await ship(plan, cache, board=ProgressBoard(out, tty=False, delay=0))
     entry = cache.entry(plan.fingerprint, 2, 4)
     assert paths == [entry]
     assert (result.resumed_at, result.sent_bytes, result.attempts) == (0, plan.size, 1)
