@@ -112,8 +112,8 @@ def test_without_a_token_the_coordinator_makes_one_and_prints_the_peer_command(m
     p = run("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--wait", "0.5", "--settle", "0.1",
             "--prompt", "hi")
     assert p.returncode == 1
-    m = re.search(r"MESH_TOKEN=(\S+) mesh-peer --join 127\.0\.0\.1:" + str(port), p.stderr)
-    assert m and len(m[1]) >= 32, p.stderr
+    m = re.search(r"MESH_TOKEN=(\S+) mesh-peer\n", p.stderr)       # found on the LAN; --join where that fails
+    assert m and len(m[1]) >= 32 and f"add --join 127.0.0.1:{port})" in p.stderr, p.stderr
     one_line_error(p, "mesh-coord", "0 of 1 peers joined")
 
 
@@ -170,20 +170,26 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(model):
     coord = subprocess.Popen(mesh_cmd("coord", "--listen", f"127.0.0.1:{port}", "--model", str(model), "--token",
                                       TOKEN, "--settle", "0.2", "--template", "raw", "--max-tokens", "1900",
                                       "--chat"),
-                             cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_default)
     dog = watchdog(coord, 240)
     try:
         coord.stdin.write("The quick brown fox jumps over the lazy dog.\n")
         coord.stdin.flush()
+        shown = ""
+        while len(shown.partition("> ")[2]) < 8:    # the answer streams (its log lines wait): press Ctrl-C
+            c = coord.stdout.read(1)
+            assert c, shown
+            shown += c
+        coord.send_signal(signal.SIGINT)
         seen = []
-        for line in coord.stderr:                   # the answer streams: press Ctrl-C
+        for line in coord.stderr:
             seen.append(line)
-            if "decoding" in line:
-                coord.send_signal(signal.SIGINT)
             if "answer stopped" in line:
                 break
         assert "answer stopped" in seen[-1], "".join(seen)
+        held = "".join(seen)                         # the log line held during the answer came after it
+        assert held.index("first token after") > held.index("stage 1: "), held
         coord.stdin.write("\n")                      # the chat is still there: an empty line ends it
         coord.stdin.close()
         rest = coord.stderr.read()
