@@ -5,7 +5,8 @@ A UDP query/answer in trio (NOTES "Mesh", "Discovery" says why not DNS-SD):
     peer -> 239.255.77.77:9000 (multicast, on every IPv4 interface) and each interface's broadcast address:
             Query  = MAGIC 0x01 | fleet id (8) | nonce (16)
     coordinator -> the querier's address (unicast), only when the fleet id is its own:
-            Answer = MAGIC 0x02 | fleet id (8) | nonce (16) | port u16 | host (u8 + ascii) | name (u8 + utf-8) | mac (16)
+            Answer = MAGIC 0x02 | fleet id (8) | nonce (16) | port u16 | host (u8 + ascii) | name (u8 + utf-8)
+                     | mac (16)
 
 Keys come from the fleet token through scrypt (`FleetKeys`): the fleet id keeps two fleets on one LAN apart, the MAC
 proves the answer comes from someone holding the token, for this query (the nonce) and for the address inside it.
@@ -102,7 +103,9 @@ def decode(data: bytes, keys: FleetKeys) -> Query | Answer | None:
     """A datagram of this fleet, or None for anything else: another fleet's, a stranger's, a forged or damaged
     answer, garbage. Nothing here raises on network input."""
     head = len(MAGIC) + 1 + FLEET_ID + NONCE
-    if len(data) < head or not data.startswith(MAGIC) or data[len(MAGIC) + 1:len(MAGIC) + 1 + FLEET_ID] != keys.fleet_id:
+    if len(data) < head or not data.startswith(MAGIC):
+        return None
+    if data[len(MAGIC) + 1:len(MAGIC) + 1 + FLEET_ID] != keys.fleet_id:
         return None
     kind, nonce = data[len(MAGIC)], data[head - NONCE:head]
     if kind == QUERY:

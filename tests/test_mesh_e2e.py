@@ -126,7 +126,8 @@ def test_an_overlapping_pinned_peer_is_left_out_and_told_why_by_name(model, refe
         assert answer["tokens"] == reference
         out, kept = ("left", "right") if "left out left (" in err else ("right", "left")
         assert f"stage 1: {kept} (127.0.0.1), layers 0..6" in err, err
-        why = f"{out} (127.0.0.1) is pinned to layers 0..6, which overlap layers 0..6 of {kept} (127.0.0.1), pinned first"
+        why = (f"{out} (127.0.0.1) is pinned to layers 0..6, which overlap layers 0..6 of {kept} (127.0.0.1), "
+               f"pinned first")
         assert f"left out {why}" in err, err
         deadline = time.monotonic() + 30
         while f"left out of this session by the coordinator: {why} (pinned overlap)" not in logs[out].read_text():
