@@ -344,8 +344,8 @@ async def _run_coord(cfg, args) -> None:
         if not args.no_discovery:
             from mesh.discovery import Responder
             host = cfg.listen.rpartition(":")[0].strip("[]")
-            await nursery.start(Responder(cfg.token, "" if host in ("0.0.0.0", "::") else host, port,
-                                          _default_name(), port=args.discovery_port).serve)
+            nursery.start_soon(Responder(cfg.token, "" if host in ("0.0.0.0", "::") else host, port,
+                                         _default_name(), port=args.discovery_port).serve)   # scrypt: not in the way
         logging.getLogger("mesh.coord").info("registry listening on %s (port %d); waiting for %d peer(s)",
                                              cfg.listen, port, cfg.min_peers)
         if args.prompt is not None:
