@@ -1,6 +1,7 @@
 """Interactive chat (`mesh-coord --chat`) as a user runs it, in separate processes on loopback."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -53,18 +54,17 @@ def test_chat_survives_a_peer_that_disappears_mid_answer(model):
                       stdin=subprocess.PIPE)
         coord.stdin.write(PROMPT.encode() + b"\n")
         coord.stdin.flush()
-        seen = []
-        for raw in coord.stderr:                       # wait until the answer streams, then pull a stage away
-            seen.append(raw.decode(errors="replace"))
-            if "decoding" in seen[-1]:
-                break
+        shown = b""
+        while len(shown.partition(b"> ")[2]) < 8:      # wait until the answer streams, then pull a stage away
+            c = os.read(coord.stdout.fileno(), 1)      # unbuffered: communicate() below reads the same pipe
+            assert c, shown
+            shown += c
         peers[1].kill()
-        for raw in coord.stderr:                       # the loss is named, and the answer resumes on a new fleet
-            seen.append(raw.decode(errors="replace"))
-            if "decoding" in seen[-1] and any("re-forming" in s for s in seen):
-                break
-        out, err = coord.communicate(b"\n", timeout=120)   # an empty line ends the chat
-        log = "".join(seen) + err.decode(errors="replace")
+        # The loss is named and the answer resumes on a new fleet; the empty line waits in stdin until it is done,
+        # then ends the chat. (Log lines wait while an answer streams: they cannot be the trigger any more.)
+        out, err = coord.communicate(b"\n", timeout=120)
+        out = shown + out
+        log = err.decode(errors="replace")
         assert coord.returncode == 0, log
         assert "is gone" in log and "re-forming the mesh from the peers that are left (attempt 1 of 3)" in log, log
         assert "attempt 2" not in log, log                 # the re-formed mesh answered at the first try...
