@@ -102,3 +102,50 @@ def test_an_answer_survives_a_peer_that_leaves_mid_stream(model, monkeypatch):
         assert srv.service.repeated == 1 and srv.service.sessions == 2
         assert len(srv.service.session.members) == 1
     assert "".join(got) == expected
+
+
+def test_a_client_gone_from_a_non_streamed_request_frees_its_sequence(model, monkeypatch):
+    """A non-streamed answer is held at its 5th step while its client closes the connection: the service notices the
+    disconnect, leaves the sequence, and the scheduler is idle again long before max_tokens would have been made."""
+    import json
+    import socket
+
+    import mesh.serve.service as service_mod
+
+    gate = {"armed": True, "left": 5, "reached": trio.Event(), "open": trio.Event()}
+
+    class Gated(service_mod.Scheduler):
+        def __init__(self, pipe, **kw):
+            super().__init__(pipe, **kw)
+            collect = pipe.collect
+
+            async def gated(group):
+                if gate["armed"]:
+                    gate["left"] -= 1
+                    if gate["left"] == 0:
+                        gate["armed"] = False
+                        gate["reached"].set()
+                        await gate["open"].wait()
+                return await collect(group)
+            pipe.collect = gated
+    monkeypatch.setattr(service_mod, "Scheduler", Gated)
+    with LiveServer(model) as srv:
+        body = json.dumps({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0})
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:       # a client that will vanish
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+
+            async def wait_reached() -> None:
+                with trio.fail_after(120):
+                    await gate["reached"].wait()
+            srv.run(wait_reached)
+        # the socket is closed here, mid-answer
+
+        async def release_and_wait_idle() -> int:
+            gate["open"].set()
+            with trio.fail_after(60):
+                while (st := srv.service.scheduler.stats()).active or st.queued:
+                    await trio.sleep(0.02)
+            return st.tokens_out
+        assert srv.run(release_and_wait_idle) < 100
+        assert _answer(srv)              # and the next request is served
