@@ -21,9 +21,12 @@ from pathlib import Path
 import trio
 
 from engine.chat import stop_markers
+from engine.errors import EngineError
 from mesh.errors import FleetError, HopError, MeshError, SessionError, single_errors
 from mesh.link import LinkError
+from mesh.proto import ProtoError
 from mesh.scheduler import Scheduler, slots_for
+from transport import TransportError
 from mesh.session import open_session
 
 log = logging.getLogger("mesh.serve")
@@ -176,9 +179,12 @@ class Service:
                     self._set("re-forming")
                     log.warning("the mesh session ended: %s; re-forming from the peers that are left", exc)
                     lost, rejoin = members, max(len(members) - 1, 0)
-                except FleetError as exc:
+                except (FleetError, EngineError, TransportError, ProtoError, OSError, trio.TooSlowError) as exc:
+                    # a refused or failed peer, a local stage (--layers) that failed, a port, a negotiation past its
+                    # bound: a service does not exit on these, it tries again
                     self._set("forming" if not self.sessions else "re-forming")
-                    log.warning("the fleet could not form: %s; trying again in %.0fs", exc, RETRY_SECONDS)
+                    log.warning("the fleet could not form: %s; trying again in %.0fs",
+                                exc or type(exc).__name__, RETRY_SECONDS)
                     lost, rejoin = [], 0
                     await trio.sleep(RETRY_SECONDS)
                 except MeshError as exc:
@@ -206,7 +212,8 @@ class Service:
                     while (st := sched.stats()).active or st.queued:
                         await trio.sleep(IDLE_POLL)
                     if s.newcomers():
-                        result.append((f"{len(s.newcomers())} new peer(s) joined", len(s.members)))
+                        result.append((f"{len(s.newcomers())} new peer(s) joined",
+                                       len(s.members) + len(s.newcomers())))
                         nursery.cancel_scope.cancel()
                         return
             nursery.start_soon(lost)
