@@ -49,7 +49,8 @@ def test_each_peer_finds_the_coordinator_of_its_own_fleet_and_both_meshes_answer
             assert f": {name} ({ips[name]}), layers" in err, err
             log = logs[name].read_text()
             assert f"found coordinator " in log and f" at {ips['c' + fleet]}:9000 on the local network" in log, log
-            assert "refused" not in log, log
+            assert "refused us" not in log, log         # no coordinator of the other fleet was ever dialed
+            # (after the answer the peer looks again and may find its coordinator exiting: "connection refused")
         assert not any(f": {n} (" in err for n in others), err
         assert "refused" not in err, err          # no peer of the other fleet ever dialed this one
     assert answers[0] == answers[1] and len(answers[0]) == 8
