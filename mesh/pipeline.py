@@ -28,6 +28,7 @@ class LocalStage(Protocol):
     async def zero_slot(self, slot): ...
     async def rollback(self, slot, pos): ...
     async def block_table(self, slot, blocks): ...
+    async def reset(self): ...
 
 
 async def _send(link, ev, who: str) -> None:
@@ -73,6 +74,8 @@ class Pipeline:
                 await self.local.rollback(ev.slot, ev.pos)
             elif isinstance(ev, proto.BlockTable):
                 await self.local.block_table(ev.row, ev.blocks)
+            elif isinstance(ev, proto.Reset):
+                await self.local.reset()
         await self._send_inband(ev)
 
     async def submit(self, cols: list[Column], sampling: SamplingArg) -> int:
@@ -169,6 +172,8 @@ class LocalPipeline(_Deferred):
             await self.stage.rollback(ev.slot, ev.pos)
         elif isinstance(ev, proto.BlockTable):
             await self.stage.block_table(ev.row, ev.blocks)
+        elif isinstance(ev, proto.Reset):
+            await self.stage.reset()
 
     async def collect(self, group: int) -> tuple[int, ...]:
         cols, sampling = self._pending.pop(group)

@@ -117,6 +117,32 @@ class _Batch:
     submitted: float = 0.0
 
 
+class _Blocks:
+    """The chain's KV blocks as the scheduler hands them out (NOTES Engine "Paged KV cache": one allocator, the
+    coordinator's): a `BlockPool` the size of the smallest stage pool. A sequence reserves at admission every block
+    its prompt and max_tokens can reach, so no step can run out of blocks half way down the chain; its table grows as
+    it does (BlockTable in-band ahead of the step that needs it) and ZeroSlot gives the blocks back."""
+
+    def __init__(self, n_blocks: int, block_size: int):
+        from engine.kv_blocks import BlockPool, blocks_for      # pure bookkeeping: no tinygrad
+        self.pool, self._blocks_for = BlockPool(n_blocks, block_size), blocks_for
+        self.block_size = block_size
+        self.reserved = 0
+
+    def need(self, seq: _Seq) -> int:
+        return self._blocks_for(len(seq.req.prompt_ids) + seq.limit - 1, self.block_size)
+
+    def fits(self, seq: _Seq) -> bool:
+        return self.need(seq) <= self.pool.n_blocks - self.reserved
+
+    def reserve(self, seq: _Seq) -> None:
+        self.reserved += self.need(seq)
+
+    def release(self, seq: _Seq) -> None:
+        self.pool.free(seq.slot)
+        self.reserved -= self.need(seq)
+
+
 class _Core:
     """Slots, the waiting queue and the choice of the next micro-batch. Pure bookkeeping: nothing here awaits.
 
@@ -126,13 +152,14 @@ class _Core:
     several columns the GEMM, and the two differ in low bits)."""
 
     def __init__(self, *, slots: Sequence[int], scratch: int | None, max_queue: int, depth: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, blocks: _Blocks | None = None):
         self.free: deque[int] = deque(slots)
         self.max_seqs = len(self.free)
         self.scratch = scratch
         self.max_queue = max_queue
         self.depth = depth
         self.prefill_chunk = prefill_chunk
+        self.blocks = blocks
         self.queue: deque[_Seq] = deque()
         self.active: list[_Seq] = []        # in admission order
         self.tick = 0
@@ -149,8 +176,10 @@ class _Core:
     def admit(self) -> list[_Seq]:
         """Queue -> free slots, first come first served."""
         out = []
-        while self.queue and self.free:
+        while self.queue and self.free and (self.blocks is None or self.blocks.fits(self.queue[0])):
             seq = self.queue.popleft()
+            if self.blocks is not None:
+                self.blocks.reserve(seq)
             seq.slot = self.free.popleft()
             self.active.append(seq)
             out.append(seq)
@@ -171,7 +200,18 @@ class _Core:
         return done
 
     def release(self, seq: _Seq) -> None:
+        if self.blocks is not None:
+            self.blocks.release(seq)
         self.free.append(seq.slot)
+
+    def tables(self, batch: "_Batch") -> list[tuple[int, tuple[int, ...]]]:
+        """(slot, its whole table) for each slot whose table must grow before `batch` runs."""
+        if self.blocks is None:
+            return []
+        ends: dict[int, int] = {}
+        for c in batch.cols:
+            ends[c.slot] = max(ends.get(c.slot, 0), c.pos + 1)
+        return [(slot, t) for slot, end in ends.items() if (t := self.blocks.pool.ensure(slot, end)) is not None]
 
     # micro-batches
     def form(self) -> _Batch | None:
@@ -321,14 +361,18 @@ class Scheduler:
     """Continuous batching over a Pipeline.
 
     n_slots: KV slots each stage was loaded with. With `batch_invariant` (default) and more than one slot, the last
-    one is a scratch slot (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots. `micro_batches`: how many steps may
-    be in flight (default: the number of stages in p2p mode, else 1: hub and local pipelines compute a step only
-    when it is collected). `prefill_chunk`: prompt columns per prefill step (a multiple of the engine's prefill
-    bucket keeps a prompt's chunks, and so its bits, the same as prefilling it alone). `vocab_size`: checks ids."""
+    one is a scratch slot (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots.
+    `micro_batches`: how many steps may be in flight (default: the number of stages in p2p mode, else 1: hub and
+    local pipelines compute a step only when it is collected). `prefill_chunk`: prompt columns per prefill step (a
+    multiple of the engine's prefill bucket keeps a prompt's chunks, and so its bits, the same as prefilling it
+    alone). `vocab_size`: checks ids. `kv_blocks`: the smallest stage's KV pool (Info.kv_blocks, positions
+    `kv_block_size` a block): then the scheduler allocates the blocks (`_Blocks`: admission waits for room, each
+    table in-band ahead of the step that grows it); None: every stage grows its own tables (its full pool)."""
 
     def __init__(self, pipe: Pipeline, *, n_slots: int, max_context: int, max_queue: int = 64,
                  max_seqs: int | None = None, micro_batches: int | None = None, prefill_chunk: int = 16,
-                 batch_invariant: bool = True, vocab_size: int | None = None):
+                 batch_invariant: bool = True, vocab_size: int | None = None, kv_blocks: int | None = None,
+                 kv_block_size: int = 16):
         if n_slots < 1:
             raise ValueError(f"n_slots={n_slots}: need at least 1")
         batch_invariant = batch_invariant and n_slots > 1    # one slot: its sequence is always alone anyway
@@ -344,7 +388,10 @@ class Scheduler:
         self.pipe = pipe
         self.max_context = max_context
         self.vocab_size = vocab_size
-        self._core = _Core(slots=range(max_seqs), scratch=n_slots - 1 if batch_invariant else None,
+        blocks = _Blocks(kv_blocks, kv_block_size) if kv_blocks else None
+        if blocks is not None and batch_invariant:
+            blocks.reserved = 1                   # the scratch companion's one block (position 0)
+        self._core = _Core(slots=range(max_seqs), scratch=n_slots - 1 if batch_invariant else None, blocks=blocks,
                            max_queue=max_queue, depth=max(1, micro_batches), prefill_chunk=prefill_chunk)
         self._wake = trio.Event()
         self._running = False
@@ -373,6 +420,11 @@ class Scheduler:
             raise ValueError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
         # the prompt fills positions [0, n); token k (k >= 1) is fed at n + k - 1, the last one never
         gen = Generation(self, req, min(req.max_tokens, self.max_context - n + 1))
+        if self._core.blocks is not None and self._core.blocks.need(gen._seq) > \
+                self._core.blocks.pool.n_blocks - (self._core.scratch is not None):
+            raise ValueError(f"the prompt and max_tokens need {self._core.blocks.need(gen._seq)} KV blocks of "
+                             f"{self._core.blocks.block_size} positions; the stages hold "
+                             f"{self._core.blocks.pool.n_blocks}")
         self._core.enqueue(gen._seq)
         self._core.admit()      # a free slot is taken now: requests opened before the loop runs are not "waiting"
         self._wake.set()
@@ -431,6 +483,8 @@ class Scheduler:
 
     async def _submit_loop(self, send) -> None:
         core = self._core
+        if core.blocks is not None:     # tables come from here only: clear what an earlier session left held
+            await self.pipe.inband(proto.Reset())
         while True:
             self._wake = trio.Event()
             for seq in core.releasable():       # ended, nothing in flight: clear the slot, then reuse it
@@ -438,6 +492,8 @@ class Scheduler:
                 core.release(seq)
             core.admit()
             while self._in_flight < core.depth and (batch := core.form()) is not None:
+                for slot, table in core.tables(batch):     # blocks the step writes, ahead of it
+                    await self.pipe.inband(proto.BlockTable(slot, table))
                 batch.submitted = time.monotonic()
                 group = await self.pipe.submit(batch.cols, batch.sampling)
                 self._in_flight += 1

@@ -38,6 +38,7 @@ class InProcess:
     def __init__(self, stage: Stage):
         self.stage = stage
         self.zeroed: list[int] = []
+        self.tables: list[tuple[int, tuple[int, ...]]] = []
 
     async def step(self, cols, hidden, sampling):
         await trio.lowlevel.checkpoint()
@@ -49,6 +50,13 @@ class InProcess:
 
     async def rollback(self, slot, pos):
         self.stage.rollback(slot, pos)
+
+    async def block_table(self, slot, blocks):
+        self.tables.append((slot, tuple(blocks)))
+        self.stage.block_table(slot, blocks)
+
+    async def reset(self):
+        self.stage.reset()
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +190,25 @@ async def test_a_hundred_consumers_that_leave_mid_stream_hold_no_slot(local):
     assert set(local.zeroed) == {0, 1, 2, 3} and local.stage._lengths[:4] == [0, 0, 0, 0]
 
 
+async def test_a_small_kv_pool_admits_what_fits_and_tables_follow_the_sequences(local):
+    """The scheduler as the chain's block allocator (kv_blocks): 12 blocks of 16 positions (one for the scratch
+    slot) hold 3-4 of the 8 streams at once; the rest wait for blocks, not slots. Tables reach the stage ahead of
+    the steps that need them, and every stream's tokens equal its run alone with the stage's full pool."""
+    pipe = LocalPipeline(local)
+    reqs = streams()
+    alone = [await run_alone(pipe, r) for r in reqs]
+    local.stage.reset()
+    sched_kw = dict(kv_blocks=12)
+    together, peak = await run_together(pipe, reqs, **sched_kw)
+    assert together == alone
+    assert 2 <= peak <= 4                                   # blocks, not the 8 slots, bounded admission
+    assert local.tables and all(len(t) <= 12 and max(t) < 12 for _, t in local.tables)
+    assert local.stage.free_blocks == local.stage.kv_blocks - 1      # all back but the scratch slot's block
+    sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT, kv_blocks=12)
+    with pytest.raises(ValueError, match="need 13 KV blocks of 16 positions; the stages hold 12"):
+        sched.open(Request(tuple(range(3, 200)), 10))
+
+
 class NoPipe(Pipeline):
     """A pipeline nobody answers: for what the scheduler decides before any step."""
 
@@ -277,8 +304,8 @@ async def three_peer_chain(model, n_slots: int):
                                    warmup=0))
             nursery.start_soon(peer.run)
         async with AsyncExitStack() as stack:
-            _, pipe = await coord.form(nursery, stack)
-            yield pipe
+            fleet, pipe = await coord.form(nursery, stack)
+            yield pipe, min(i.kv_blocks for i in fleet.infos)
         nursery.cancel_scope.cancel()
 
 
@@ -287,9 +314,11 @@ async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_
     reqs = sampled(streams())      # greedy and seeded sequences in the same steps: one Sampling per column on the wire
     alone = [await run_alone(LocalPipeline(local), r) for r in reqs]
     with trio.fail_after(300):
-        async with three_peer_chain(model, N_SLOTS) as pipe:
-            # 3 micro-batches in flight; 6 slots keep every decode batch at 2 columns (fewer shapes to compile)
-            together, peak = await run_together(pipe, reqs, micro_batches=3, max_seqs=6)
+        async with three_peer_chain(model, N_SLOTS) as (pipe, kv_blocks):
+            # 3 micro-batches in flight; 6 slots keep every decode batch at 2 columns (fewer shapes to compile);
+            # the scheduler hands out the KV blocks of the stages' pools (BlockTable down the chain)
+            assert kv_blocks == N_SLOTS * CONTEXT // 16
+            together, peak = await run_together(pipe, reqs, micro_batches=3, max_seqs=6, kv_blocks=kv_blocks)
     assert peak == 6
     for i in range(len(reqs)):
         assert together[i] == alone[i], f"stream {i}"

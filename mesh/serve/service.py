@@ -112,6 +112,15 @@ def stop_ids(tokenizer) -> frozenset[int]:
     return frozenset(tokenizer.eos_ids) | {controls[t] for t in stop_markers(tokenizer) if t in controls}
 
 
+def _kv_blocks(session) -> int | None:
+    """The chain's KV pool for the scheduler's block allocator: the smallest stage's (Info.kv_blocks); None when a
+    stage does not report one or the coordinator runs layers of its own (then every stage grows its own tables)."""
+    pools = [getattr(i, "kv_blocks", 0) for i in getattr(session.fleet, "infos", ())]
+    if not pools or not all(pools) or session.fleet.local is not None:
+        return None
+    return min(pools)
+
+
 class Service:
     def __init__(self, coord, *, max_seqs: int = 4, max_queue: int = 64, api_key: str | None = None,
                  template: str = "auto"):
@@ -166,7 +175,8 @@ class Service:
                     async with open_session(self.coord, min_peers=min_peers, wait=math.inf) as s:
                         members = s.members
                         sched = Scheduler(s.pipe, n_slots=self.coord.cfg.n_slots, max_seqs=self.max_seqs,
-                                          max_context=self.max_context, max_queue=self.max_queue)
+                                          max_context=self.max_context, max_queue=self.max_queue,
+                                          kv_blocks=_kv_blocks(s))
                         await s.start(sched.run)
                         self.sessions += 1
                         self._set("serving", s, sched)
