@@ -98,7 +98,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...])
     port = free_port()
     token = None if OPEN else secrets.token_urlsafe(24)     # sealed links, as a fleet runs them (--open: not)
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
-                      webrtc_hops=rtc_hops, token=token and token.encode())
+                      webrtc_hops=rtc_hops, token=token and token.encode(),
+                      placement="memory")     # N equal stages on one box: the split's cost is what this measures
     coord = Coordinator(cfg)
     procs = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

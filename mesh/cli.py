@@ -288,6 +288,10 @@ def coord_parser() -> argparse.ArgumentParser:
                    help="do not answer peers that look for this fleet's coordinator on the local network")
     p.add_argument("--json", action="store_true",
                    help="with --prompt: print one JSON object (text, token ids, timings) instead of streaming text")
+    p.add_argument("--placement", choices=("speed", "memory"), default="speed",
+                   help="speed (default): layers go where the predicted time per token is least, by each peer's "
+                        "measured speed and link, within its memory; a peer that would slow the chain is left out. "
+                        "memory: split by reported memory alone (peers' --memory-gb and --layers apply to both)")
     _common(p)
     return p
 
@@ -325,7 +329,8 @@ def coord_main(argv: list[str] | None = None) -> None:
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
                       warmup=args.warmup, ice=ice, n_slots=slots_for(args.max_seqs),
-                      stage_warmup=-1 if args.prompt is None and not args.chat else 0)
+                      stage_warmup=-1 if args.prompt is None and not args.chat else 0,
+                      placement=args.placement)
     _run("mesh-coord", _run_coord, cfg, args)
 
 
@@ -631,7 +636,7 @@ def peer_main(argv: list[str] | None = None) -> None:
             sys.exit(f"mesh-peer: model {args.model}: {exc}")
     cfg = PeerConfig(join=args.join, token=token, name=args.name, show_text=args.show_text, listen=args.listen,
                      advertise=args.advertise, model=model, layers=args.layers,
-                     memory_mb=memory_hint_mb(args.memory_gb), cache_dir=args.cache_dir, device=args.device,
+                     memory_mb=memory_hint_mb(args.memory_gb, args.device), cache_dir=args.cache_dir, device=args.device,
                      max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
                      discovery_port=args.discovery_port, ice=_ice("mesh-peer", args))
     if model is not None:

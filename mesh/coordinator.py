@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,12 +28,15 @@ from mesh.identity import model_identity
 from mesh.link import LinkError, PreAuthGate, RemoteError, open_link
 from mesh.logsafe import clean
 from mesh.pipeline import ChainPipeline, HubPipeline, Pipeline, generate
-from mesh.planner import PlanError, StageReport, plan_fleet, validate_chain
+from mesh.planner import (LinkSpeed, ModelCost, Placement, PlanError, StageReport, StageSpeed, plan_by_speed,
+                          plan_fleet, predict, validate_chain)
 from mesh.registry import Member, Registry
 from mesh.serve.status import transport_of_addr
 
 log = logging.getLogger("mesh.coord")
 RPC_SECONDS = 600.0          # a load may read gigabytes; a ship is bounded separately by its own progress
+LINK_PAD = 256 << 10         # filler timed through each peer's control link for its bandwidth (planner.LinkSpeed)
+KEEP_UNLESS_GAIN = 0.10      # a re-formed fleet that tiles keeps its layout unless a new plan predicts >10% faster
 SINK_GRACE = 6.0             # a dead stage's control link fails within a heartbeat window (5 s) of its death
 HANDSHAKE_SECONDS = 10.0     # a connection to the sink must authenticate within this
 RTC_SECONDS = 75.0           # both peers gather candidates and ICE checks run; each peer bounds its own steps at 30 s
@@ -58,11 +62,27 @@ class CoordConfig:
     identity: str = ""                 # the model's content identity (mesh.identity); "" = computed from `model`
     stage_warmup: int = 0              # decode widths every peer compiles at load (Load.warmup); 0: each peer's
                                        # own --warmup; -1: the widths the scheduler forms with n_slots over this chain
+    placement: str = "speed"           # "speed": by the peers' measured speed (within memory); "memory": memory only
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
+    speed = StageSpeed(ev.decode_ms_layer, ev.prefill_ms_layer, ev.step_ms) if ev.decode_ms_layer > 0 else None
     return StageReport(m.name, ev.start, ev.end, ev.total_layers, ev.memory_mb, ev.pinned, clean(ev.fingerprint),
-                       clean(ev.backend), ev.loaded)
+                       clean(ev.backend), ev.loaded, speed, ev.measures)
+
+
+def _chain(reports: list[StageReport], ranges) -> tuple[tuple[str, int, int], ...]:
+    return tuple(sorted(((rep.name, *r) for rep, r in zip(reports, ranges) if r is not None), key=lambda x: x[1]))
+
+
+def model_cost(path: Path, *, n_slots: int, max_context: int) -> ModelCost:
+    """The planner's view of the model: MB one layer needs on a peer (its weights as stored, plus an f32 KV cache for
+    the coordinator's slots and context; peers run with the same settings by default) and a column's wire bytes."""
+    from engine.gguf_meta import read_gguf
+    meta, gguf = read_model_meta(path), read_gguf(path)
+    weights = sum(t.nbytes for n, t in gguf.tensors.items() if n.startswith("blk."))
+    kv = 2 * meta.n_kv_heads * meta.head_dim * 4 * n_slots * min(max_context, meta.context_length)
+    return ModelCost((weights / max(meta.n_layers, 1) + kv) / 2**20, meta.dim * 4)
 
 
 def _memo_dir(kind: str) -> Path:
@@ -97,6 +117,8 @@ class Fleet:
         self.tokenizer = tokenizer
         self.members: list[Member] = []
         self.ranges: list[tuple[int, int]] = []     # each member's layers, chain order (after negotiate)
+        self.placement: Placement | None = None
+        self._left_out_notes: dict[int, tuple[str, str]] = {}   # member number -> (kind, line) of the last plan
         self.local = None
         self.infos: list[proto.Info] = []       # each member's last Info, in chain order (the status view)
         self.hops: list[str | None] = []        # the transport each hop came up on (tcp/ws/webrtc), in chain order
@@ -113,8 +135,7 @@ class Fleet:
 
     async def negotiate(self, members: list[Member]) -> str:
         """Info, plan, load (ship where needed), re-check, validate. Returns the topology map."""
-        LC = proto.LoadCode
-        infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
+        infos = await _rpc_all(members, lambda m: proto.InfoRequest(self.identity), proto.Info)
         reports = [_info_report(m, ev) for m, ev in zip(members, infos)]
         for r in reports:  # a peer that holds its own model must hold ours
             if r.fingerprint and r.fingerprint != self.identity:
@@ -122,25 +143,21 @@ class Fleet:
                                  f"the coordinator's {self.cfg.model.name} is {self.identity[:16]})")
         members, reports = await self._admit(members, reports)
         ranges = self._keep_loaded(reports)
-        if ranges is None:
+        if ranges is not None:
+            self.placement = Placement("kept", _chain(reports, ranges))
+        else:
             try:
-                ranges = plan_fleet(self.first_layer, self.meta.n_layers, reports)
+                ranges = await self._place(members, reports)
             except PlanError as exc:
                 raise FleetError(str(exc)) from None
         if any(not r.pinned for r in reports) and ranges != [(r.start, r.end) for r in reports]:
             log.info("auto-split: layers %d..%d over %d peers -> %s", self.first_layer, self.meta.n_layers,
-                     len(members), ", ".join(f"{a}..{b}" for a, b in ranges))
-        digests = [await self._digest(r) if not rep.pinned else b"" for r, rep in zip(ranges, reports)]
+                     len(members), ", ".join(f"{r[0]}..{r[1]}" if r else "left out" for r in ranges))
+        await self._leave_out([m for m, r in zip(members, ranges) if r is None])
+        reports = [rep for rep, r in zip(reports, ranges) if r is not None]
+        members, ranges = [m for m, r in zip(members, ranges) if r is not None], [r for r in ranges if r is not None]
         self.stages = len(members) + (self.cfg.layers is not None)
-        acks = await _rpc_all(members, lambda m: self._load_msg(ranges[members.index(m)], digests[members.index(m)]),
-                              proto.Ack)
-        for m, r, ack in zip(members, ranges, acks):
-            if ack.code == LC.NEED_WEIGHTS:
-                await self._ship(m, r)
-            elif ack.code == LC.WRONG_CHECKPOINT:
-                raise FleetError(f"{m.name} holds a different model: {clean(ack.reason)}")
-            elif ack.code != LC.OK:
-                raise FleetError(f"{m.name} could not load layers {r[0]}..{r[1]}: {clean(ack.reason)}")
+        await self._load_all(members, ranges, [rep.pinned for rep in reports])
         infos = await _rpc_all(members, lambda m: proto.InfoRequest(), proto.Info)
         order = sorted(range(len(members)), key=lambda i: infos[i].start)
         self.members = [members[i] for i in order]
@@ -174,6 +191,125 @@ class Fleet:
                 self.registry.benched.discard(m.key)
         return ([m for i, m in enumerate(members) if i not in gone],
                 [r for i, r in enumerate(reports) if i not in gone])
+
+    async def _load_all(self, members: list[Member], ranges: list[tuple[int, int]], pinned: list[bool]) -> None:
+        """Load every member's range (all sent before any answer is read); ship the layers to those without them."""
+        LC = proto.LoadCode
+        digests = [await self._digest(r) if not p else b"" for r, p in zip(ranges, pinned)]
+        acks = await _rpc_all(members, lambda m: self._load_msg(ranges[members.index(m)], digests[members.index(m)]),
+                              proto.Ack)
+        for m, r, ack in zip(members, ranges, acks):
+            if ack.code == LC.NEED_WEIGHTS:
+                await self._ship(m, r)
+            elif ack.code == LC.WRONG_CHECKPOINT:
+                raise FleetError(f"{m.name} holds a different model: {clean(ack.reason)}")
+            elif ack.code != LC.OK:
+                raise FleetError(f"{m.name} could not load layers {r[0]}..{r[1]}: {clean(ack.reason)}")
+
+    async def _place(self, members: list[Member], reports: list[StageReport]) -> list[tuple[int, int] | None]:
+        """The plan: by measured speed where every peer has (or can get) figures, else by memory as before."""
+        first, total = self.first_layer, self.meta.n_layers
+        why = self._no_speed_plan(reports)
+        if why is None:
+            lacking = [i for i, r in enumerate(reports) if r.speed is None]
+            if lacking:
+                # The chicken and the egg: a peer measures a stage it has loaded. One middle layer (no embedding, no
+                # head) is enough for its per-layer figures, cached on the peer per device and model afterwards.
+                k = max(first, total // 2 - 1) if total - first > 1 else first
+                log.info("measuring %s on a probe of layer %d", ", ".join(members[i].name for i in lacking), k)
+                await self._load_all([members[i] for i in lacking], [(k, k + 1)] * len(lacking), [False] * len(lacking))
+                probed = await _rpc_all([members[i] for i in lacking], lambda m: proto.InfoRequest(self.identity),
+                                        proto.Info)
+                for i, ev in zip(lacking, probed):
+                    reports[i] = replace(reports[i], speed=_info_report(members[i], ev).speed)
+                still = [members[i].name for i in lacking if reports[i].speed is None]
+                why = f"{', '.join(still)} reported no speed after the probe" if still else None
+        cost = model_cost(self.cfg.model, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context)
+        if why is not None:
+            ranges = plan_fleet(first, total, reports)
+            predicted = None
+            if all(r.speed is not None for r in reports):      # measured all the same: say what memory alone gives
+                reports = [replace(r, link=await self._measure_link(m)) for m, r in zip(members, reports)]
+                predicted = predict(reports, ranges, cost)
+            log.info("placement by memory%s%s", f": predicted {predicted.decode_tok_s:.2f} tok/s decode, "
+                     f"{predicted.prefill_tok_s:.0f} tok/s prefill" if predicted else "",
+                     f" ({why})" if self.cfg.placement == "speed" else "")
+            self.placement = Placement("memory", _chain(reports, ranges), predicted and predicted.decode_tok_s,
+                                       predicted and predicted.prefill_tok_s, note=why)
+            return ranges
+        reports = [replace(r, link=await self._measure_link(m)) for m, r in zip(members, reports)]
+        plan = plan_by_speed(first, total, reports, cost)
+        ranges = list(plan.ranges)
+        try:
+            by_memory = predict(reports, plan_fleet(first, total, reports), cost).decode_tok_s
+        except PlanError:
+            by_memory = None
+        kept = self._keep_tiling(reports, plan.prediction.decode_ms, cost)
+        if kept is not None:
+            ranges = kept
+        prediction = predict(reports, ranges, cost)
+        notes = {n.index: (n.kind, n.line) for n in plan.left_out if ranges[n.index] is None}
+        for i, r in enumerate(ranges):
+            if r is None and i not in notes:
+                notes[i] = ("other", f"{reports[i].name} is not needed now: the fleet's loaded layout predicts within "
+                                     f"{KEEP_UNLESS_GAIN:.0%} of the best plan, so it is kept")
+        self._left_out_notes = {members[i].number: note for i, note in notes.items()}
+        self.placement = Placement("speed" if kept is None else "kept", _chain(reports, ranges),
+                                   prediction.decode_tok_s, prediction.prefill_tok_s, by_memory,
+                                   tuple(line for _, line in notes.values()))
+        log.info("placement by speed: predicted %.2f tok/s decode, %.0f tok/s prefill%s", prediction.decode_tok_s,
+                 prediction.prefill_tok_s, f" (memory-only plan: {by_memory:.2f} tok/s decode)" if by_memory else "")
+        return ranges
+
+    def _no_speed_plan(self, reports: list[StageReport]) -> str | None:
+        """Why this fleet cannot be planned by speed, or None when it can (perhaps after a probe)."""
+        if self.cfg.placement != "speed":
+            return "--placement memory"
+        for r in reports:
+            if r.speed is None and (r.pinned or not r.measures):
+                return f"{r.name} does not measure its speed (it loads with --warmup 0)" if not r.measures else \
+                    f"{r.name} is pinned and has no measured speed"
+        return None
+
+    def _keep_tiling(self, reports: list[StageReport], best_ms: float, cost: ModelCost) -> list | None:
+        """A re-formed fleet whose loaded peers still tile the model keeps that layout (no reload, no re-ship) unless
+        the new plan predicts it more than KEEP_UNLESS_GAIN faster; link figures alone vary that much run to run."""
+        loaded = [r for r in reports if r.loaded and r.fingerprint == self.identity]
+        try:
+            validate_chain(self.first_layer, sorted(loaded, key=lambda r: r.start), self.identity)
+        except PlanError:
+            return None
+        ranges = [(r.start, r.end) if r in loaded else None for r in reports]
+        if predict(reports, ranges, cost).decode_ms * (1 - KEEP_UNLESS_GAIN) > best_ms:
+            return None
+        return ranges
+
+    async def _measure_link(self, m: Member) -> LinkSpeed:
+        """The peer's control link as the stand-in for its hops, which do not exist before the plan: on a home LAN
+        every machine reaches the others through the same switch or access point, so its own link (a laptop on Wi-Fi,
+        a desktop on a wire) is what sets its hops' latency and bandwidth. Best of 3 empty round trips, best of 2
+        with LINK_PAD bytes out and back."""
+        async def round_trip(pad: bytes) -> float:
+            t0 = time.perf_counter()
+            await m.link.send(proto.InfoRequest("", pad))
+            ev = await m.link.receive()
+            if not isinstance(ev, proto.Info):
+                raise FleetError(f"{m.name}: expected Info, got {type(ev).__name__}")
+            return (time.perf_counter() - t0) * 1000
+        try:
+            rtt = min([await round_trip(b"") for _ in range(3)])
+            padded = min([await round_trip(bytes(LINK_PAD)) for _ in range(2)])
+        except LinkError as exc:
+            raise FleetError(f"{m.name}: {exc}") from None
+        return LinkSpeed(rtt, 2 * LINK_PAD / 1e3 / max(padded - rtt, 1e-3))
+
+    async def _leave_out(self, members: list[Member]) -> None:
+        """Tell each peer the plan leaves out why (one line with the figures), then send it back to the pool."""
+        codes = {"too_slow": proto.LeftOutCode.TOO_SLOW, "memory": proto.LeftOutCode.MEMORY,
+                 "surplus": proto.LeftOutCode.SURPLUS}
+        for m in members:
+            kind, line = self._left_out_notes.get(m.number, ("other", f"{m.name} is not in the kept layout"))
+            await self.leave(m, codes.get(kind, proto.LeftOutCode.OTHER), line)
 
     async def leave(self, m: Member, code: proto.LeftOutCode, reason: str) -> None:
         """Tell `m` why this session goes on without it and release it: it re-joins and waits in the pool."""
@@ -389,6 +525,7 @@ class Coordinator:
         self.tokenizer = Tokenizer.from_gguf(cfg.model)
         self.registry = Registry(cfg.token)
         self.out = out or sys.stdout
+        self.placement: Placement | None = None   # the current fleet's plan, with the measured rate once decoding ran
 
     async def serve_registry(self, nursery) -> int:
         host, _, port = self.cfg.listen.rpartition(":")
@@ -420,6 +557,7 @@ class Coordinator:
         with trio.fail_after(RPC_SECONDS):
             topology = await fleet.negotiate(members)
         print(topology, file=sys.stderr, flush=True)
+        self.placement = fleet.placement
         await fleet.send_vocab()
         pipe = await wire_chain(fleet, nursery, stack)
         return fleet, pipe
@@ -431,8 +569,10 @@ class Coordinator:
         eos = self.tokenizer.eos_ids
 
         started = trio.current_time()
+        stamps: list[float] = []
 
         def on_each(tok: int) -> None:
+            stamps.append(time.perf_counter())
             if waiting_first[0]:
                 waiting_first[0] = False
                 log.info("first token after %.2fs (%d prompt tokens); decoding", trio.current_time() - started,
@@ -463,7 +603,20 @@ class Coordinator:
         if stream_to is not None:
             stream_to.write(decoder.flush())
             stream_to.flush()
+        self._measured(stamps)
         return result.tokens
+
+    def _measured(self, stamps: list[float]) -> None:
+        """Log the decode rate the answer just had next to the planner's prediction, and keep it in `placement`."""
+        if len(stamps) < 3:
+            return
+        rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        p = self.placement
+        if p is not None:
+            self.placement = replace(p, measured_decode_tok_s=rate)
+        predicted = p.predicted_decode_tok_s if p is not None else None
+        log.info("decode: %.2f tok/s measured over %d tokens%s", rate, len(stamps) - 1,
+                 f", {predicted:.2f} predicted by the planner" if predicted else "")
 
     def encode(self, text: str, *, template: str, history: tuple = ()) -> list[int]:
         rendered = render_prompt(self.tokenizer, text, mode=template, history=history)

@@ -24,6 +24,7 @@ import trio
 
 import transport
 from engine.arena import PayloadKind
+from engine.errors import EngineError
 from engine.gguf_meta import read_model_meta
 from engine.worker import open_worker
 from mesh import proto
@@ -33,6 +34,7 @@ from mesh.link import AuthFailed, LinkClosed, LinkError, PreAuthGate, RemoteErro
 from mesh.logsafe import clean
 from mesh.report import DonorReport
 from mesh.rtc_lane import open_rtc_lanes
+from mesh.speed import SpeedCache, measure_stage
 
 log = logging.getLogger("mesh.peer")
 HANDSHAKE_SECONDS = 10.0
@@ -95,6 +97,7 @@ class Peer:
         self.loaded_kv = (0, 0)  # the loaded stage's KV pool: (blocks, positions a block), reported in Info
         self.loaded_shape: tuple[int, int] | None = None   # (n_slots, max_context) of the loaded stage
         self.backend = ""
+        self.speeds = SpeedCache(self._cache_root())   # this device's measured figures, per model
         self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
@@ -115,7 +118,7 @@ class Peer:
             if os.environ.get("MESH_STAGE_TIMES"):   # a directory: bench/mesh_bench.py's per-stage breakdown
                 self.stage_times = open(Path(os.environ["MESH_STAGE_TIMES"]) / f"peer-{os.getpid()}.txt", "a")
             if self.cfg.layers:
-                await self._load(self.cfg.model, *self.cfg.layers)
+                await self._load(self.cfg.model, *self.cfg.layers, identity=self.identity)
                 self.loaded_fingerprint = self.identity
             async with trio.open_nursery() as nursery:
                 self.listen_port = await nursery.start(transport.serve_listener, host or "0.0.0.0", int(port or 0),
@@ -269,7 +272,7 @@ class Peer:
 
     async def _dispatch(self, ev, link, nursery, control: bool) -> None:
         if isinstance(ev, proto.InfoRequest):
-            await link.send(self._info())
+            await link.send(self._info(ev))
         elif isinstance(ev, proto.Load):
             code, reason = await self._handle_load(ev)
             await link.send(proto.Ack(proto.MsgType.LOAD, int(code), reason))
@@ -296,17 +299,21 @@ class Peer:
         else:
             await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, f"{type(ev).__name__} is not a request"))
 
-    def _info(self) -> proto.Info:
+    def _info(self, req: proto.InfoRequest | None = None) -> proto.Info:
         start, end = self.loaded or (0, 0)
         fp = self.loaded_fingerprint or self.identity
         total = self.loaded_total or (self.meta.n_layers if self.meta else 0)
         kv = self.loaded_kv if self.loaded is not None else (0, 0)
+        speed = self.speeds.get(req.fingerprint, self.backend) if req is not None and req.fingerprint else None
         return proto.Info(start, end, total, self.cfg.memory_mb, self.cfg.layers is not None, fp,
-                          self.backend, self.loaded is not None, *kv)
+                          self.backend, self.loaded is not None, *kv,
+                          *((speed.decode_ms_per_layer, speed.prefill_ms_per_layer, speed.step_ms) if speed else
+                            (0.0, 0.0, 0.0)),
+                          self.cfg.warmup > 0, bytes(len(req.pad)) if req is not None else b"")
 
     # ---- loading and shipping --------------------------------------------------------------------------------
     async def _load(self, path: Path, start: int, end: int, n_slots: int | None = None,
-                    max_context: int | None = None, warmup: int = 0) -> None:
+                    max_context: int | None = None, warmup: int = 0, *, identity: str = "") -> None:
         """Load a range; the session's slots, context and decode widths (Load) over the peer's own flags."""
         from mesh.console import activity
         n_slots, max_context = n_slots or self.cfg.n_slots, max_context or self.cfg.max_context
@@ -323,6 +330,19 @@ class Peer:
         log.info("loaded layers %d..%d of %s (%.1f MB of weights) in %.1f s, compiled %d step shapes in %.1f s",
                  start, end, path.name, info.weight_bytes / 1e6, info.load_ms / 1e3, info.warmup_shapes,
                  info.warmup_ms / 1e3)
+        # Measure this device once per model, on compiled shapes only (a load without warmup would time tinygrad's
+        # compiler); the planner reads the figure from the cache in every later session.
+        if self.cfg.warmup > 0 and identity and self.speeds.get(identity, self.backend) is None:
+            try:
+                speed = await measure_stage(self.worker, start=start, end=end, dim=info.dim,
+                                            act_dtype=info.act_dtype)
+                self.speeds.put(identity, self.backend, speed, (start, end))
+            except (EngineError, OSError) as exc:   # the fleet plans by memory without it; the stage still serves
+                log.warning("could not measure layers %d..%d: %s", start, end, exc)
+                return
+            log.info("measured layers %d..%d on %s: decode %.2f ms/layer, prefill %.2f ms/layer (16-column chunk), "
+                     "%.2f ms a step", start, end, self.backend, speed.decode_ms_per_layer, speed.prefill_ms_per_layer,
+                     speed.step_ms)
 
     async def _handle_load(self, ev: proto.Load) -> tuple[int, str]:
         LC = proto.LoadCode
@@ -351,7 +371,7 @@ class Peer:
                 return LC.NEED_WEIGHTS, f"cached layers {ev.start}..{ev.end} failed their digest check; ship them"
         async with self.compute:
             try:
-                await self._load(path, ev.start, ev.end, *shape, ev.warmup)
+                await self._load(path, ev.start, ev.end, *shape, ev.warmup, identity=ev.fingerprint)
             except Exception as exc:
                 log.error("load of layers %d..%d failed: %s", ev.start, ev.end, exc)
                 return LC.FAIL, str(exc)[:500]
@@ -502,10 +522,12 @@ def _host_for_dial(host: str | None) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def memory_hint_mb(memory_gb: float | None) -> int:
+def memory_hint_mb(memory_gb: float | None, device: str | None = None) -> int:
+    """The memory this peer offers the planner: --memory-gb, else the platform's default budget for the device it
+    will run (engine.platform: available RAM, capped on Apple Silicon by what a METAL GPU may wire); 0 = unknown."""
     if memory_gb:
         return int(memory_gb * 1024)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**20)
-    except (ValueError, OSError):
-        return 0
+    from engine import platform
+    plat = platform.current()
+    device = device or os.environ.get("DEV") or platform.default_device(plat, ask=lambda: "")
+    return platform.memory_budget_mb(plat, platform.read_memory(), device)

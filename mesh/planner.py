@@ -35,6 +35,7 @@ class StageReport:
     backend: str = ""
     loaded: bool = False
     speed: "StageSpeed | None" = None    # measured on the peer's device for this model; None = not measured
+    measures: bool = False               # it measures a stage it loads (so a probe load gives it a speed)
     link: "LinkSpeed | None" = None      # its link to the coordinator, measured before the plan
 
 
@@ -76,6 +77,21 @@ class Prediction:
     @property
     def decode_tok_s(self) -> float:
         return 1000.0 / self.decode_ms if self.decode_ms > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What placement decided for a session and how fast it said the chain would be; the coordinator keeps the
+    current one as `Fleet.placement` and `Coordinator.placement` (the latter gains the measured rate once a
+    decode ran), for its logs and the status view."""
+    policy: str                                      # "speed", "memory" or "kept" (a re-formed fleet kept its layout)
+    ranges: tuple[tuple[str, int, int], ...]         # (peer, start, end) in chain order
+    predicted_decode_tok_s: float | None = None      # one sequence
+    predicted_prefill_tok_s: float | None = None     # a long prompt
+    memory_plan_decode_tok_s: float | None = None    # the memory-only plan's prediction, for comparison
+    left_out: tuple[str, ...] = ()                   # one line each, with the figures
+    measured_decode_tok_s: float | None = None       # the last answer's decode rate, once one ran
+    note: str = ""                                   # why the plan is not by speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,18 +291,18 @@ def plan_by_speed(first: int, total: int, stages: list[StageReport], cost: Model
             continue
         s = stages[i]
         if capacity(s, cost, total) < 1:
-            notes.append(LeftOutNote(i, "memory", f"{s.name} left out: it offers {s.memory_mb} MB, one layer needs "
+            notes.append(LeftOutNote(i, "memory", f"{s.name} offers {s.memory_mb} MB, one layer needs "
                                                   f"{cost.layer_mb:.0f} MB"))
             continue
         forced = _search(first, total, stages, cost, frozenset({i}))
         if forced is None:
-            notes.append(LeftOutNote(i, "surplus", f"{s.name} left out: no layers are left for it"))
+            notes.append(LeftOutNote(i, "surplus", f"{s.name} is not needed: no layers are left for it"))
             continue
         with_it = predict(stages, forced[0], cost)
         fastest = min(x.speed.decode_ms_per_layer for x, rr in zip(stages, ranges) if rr is not None)
         ln = s.link or LinkSpeed(0.0)
         notes.append(LeftOutNote(i, "too_slow", (
-            f"{s.name} left out as too slow: decode {s.speed.decode_ms_per_layer:.2f} ms/layer (fastest in the chain "
+            f"{s.name} would slow the chain: decode {s.speed.decode_ms_per_layer:.2f} ms/layer (fastest in the chain "
             f"{fastest:.2f}) + {s.speed.step_ms:.1f} ms a step, link rtt {ln.rtt_ms:.1f} ms; with it the best plan "
             f"predicts {with_it.decode_tok_s:.2f} tok/s, without it {prediction.decode_tok_s:.2f}")))
     return SpeedPlan(tuple(ranges), prediction, tuple(notes))

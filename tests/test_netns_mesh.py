@@ -47,6 +47,7 @@ def test_auto_webrtc_brings_up_the_hop_between_two_nated_peers(tmp_path):
             coord = subprocess.Popen(net.cmd(net.pub, *mesh_cmd(
                 "coord", "--listen", f"{PUB_IP}:{COORD_PORT}", "--model", str(model), "--min-peers", "2",
                 "--settle", "0.3", "--wait", "120", "--auto-webrtc", "--prompt", PROMPT, "--template", "raw",
+                "--placement", "memory",    # two stages whatever their speed: the hop between them is the subject
                 "--max-tokens", "8", "--json", *token, *stun)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE)
             procs.append(coord)

@@ -83,7 +83,7 @@ def test_speed_plan_leaves_out_a_slow_peer_that_the_fast_one_makes_unneeded():
     assert kinds == {1: "too_slow", 2: "too_slow"}
     line = next(n.line for n in plan.left_out if n.index == 1)
     # one line with the figures: its speed, the fastest's, and both predictions (with it: 1 layer at 4 ms + 29 at 1)
-    assert "slow left out as too slow: decode 4.00 ms/layer (fastest in the chain 1.00)" in line
+    assert "slow would slow the chain: decode 4.00 ms/layer (fastest in the chain 1.00)" in line
     assert f"with it the best plan predicts {1000 / 33:.2f} tok/s, without it {1000 / 30:.2f}" in line
 
 

@@ -32,6 +32,8 @@ SAMPLES: list[p.Event] = [
     p.InfoRequest(),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True, 512, 16),
+    p.Info(0, 15, 30, 8192, False, "", "METAL", False, 0, 0, 1.25, 3.5, 0.4, True, bytes(100)),
+    p.InfoRequest("ab" * 16, b"\0" * 64),
     p.Load(15, 30, 30, "ab" * 16),
     p.Load(0, 10, 30, "ab" * 16, bytes(32), 9, 512, 3),
     p.Ack(p.MsgType.LOAD, p.LoadCode.NEED_WEIGHTS, "no cached range"),

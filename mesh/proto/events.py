@@ -437,18 +437,27 @@ class Join(Event):
         return None if self.pinned_start == -1 else (self.pinned_start, self.pinned_end)
 
 
-@_message(MsgType.INFO_REQUEST)
+@_message(MsgType.INFO_REQUEST, STR, BYTES)
 @dataclass(frozen=True, slots=True)
 class InfoRequest(Event):
-    pass
+    """Ask a peer for its `Info`. `fingerprint`: the model whose speed figures the peer should report ("" = none).
+    `pad`: filler the peer echoes back in `Info.pad`, so the coordinator can time the link's bandwidth with the same
+    round trip it times empty (the planner's link figures)."""
+
+    fingerprint: str = ""
+    pad: bytes = b""
 
 
-@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL, U32, U32)
+@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL, U32, U32, F64, F64, F64, BOOL, BYTES)
 @dataclass(frozen=True, slots=True)
 class Info(Event):
     """A stage's self-description. With loaded False, start/end are the pinned range (if pinned) or 0/0.
     kv_blocks / kv_block_size: the loaded stage's KV pool (blocks of kv_block_size positions; 0/0 not loaded): the
-    scheduler sizes its block allocator to the smallest pool of the chain (engine/kv_blocks.py)."""
+    scheduler sizes its block allocator to the smallest pool of the chain (engine/kv_blocks.py).
+    The speed figures are the peer's own measurement of this model on its device (mesh.speed; 0 = not measured):
+    ms per layer of a one-column decode step and of a 16-column prefill chunk, and the fixed ms of a step.
+    `measures`: the peer measures its stage when it loads (it warms up), so a probe load would give figures.
+    `pad` echoes the request's filler (zeros of the same length)."""
 
     start: int
     end: int
@@ -460,6 +469,17 @@ class Info(Event):
     loaded: bool
     kv_blocks: int = 0
     kv_block_size: int = 0
+    decode_ms_layer: float = 0.0
+    prefill_ms_layer: float = 0.0
+    step_ms: float = 0.0
+    measures: bool = False
+    pad: bytes = b""
+
+    def __post_init__(self) -> None:
+        for name in ("decode_ms_layer", "prefill_ms_layer", "step_ms"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"Info.{name} must be a finite number >= 0, got {v!r}")
 
 
 @_message(MsgType.LOAD, U32, U32, U32, STR, BYTES, U32, U32, U32)
