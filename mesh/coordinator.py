@@ -526,6 +526,7 @@ class Coordinator:
         self.registry = Registry(cfg.token)
         self.out = out or sys.stdout
         self.placement: Placement | None = None   # the current fleet's plan, with the measured rate once decoding ran
+        self._fleet: Fleet | None = None
 
     async def serve_registry(self, nursery) -> int:
         host, _, port = self.cfg.listen.rpartition(":")
@@ -558,6 +559,7 @@ class Coordinator:
             topology = await fleet.negotiate(members)
         print(topology, file=sys.stderr, flush=True)
         self.placement = fleet.placement
+        self._fleet = fleet                         # the measured decode rate goes onto its placement too
         await fleet.send_vocab()
         pipe = await wire_chain(fleet, nursery, stack)
         return fleet, pipe
@@ -614,6 +616,8 @@ class Coordinator:
         p = self.placement
         if p is not None:
             self.placement = replace(p, measured_decode_tok_s=rate)
+            if self._fleet is not None and self._fleet.placement is p:   # the status view reads the fleet's
+                self._fleet.placement = self.placement
         predicted = p.predicted_decode_tok_s if p is not None else None
         log.info("decode: %.2f tok/s measured over %d tokens%s", rate, len(stamps) - 1,
                  f", {predicted:.2f} predicted by the planner" if predicted else "")
