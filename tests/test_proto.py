@@ -251,9 +251,9 @@ def test_encoding_a_value_that_does_not_fit_names_the_field():
     with pytest.raises(ValueError, match="pinned"):
         p.Join(1, "", 1, 5, 2)
     with pytest.raises(ValueError, match=r"Info.decode_ms_layer must be a finite number >= 0"):
-        p.Info(0, 1, 2, 0, False, "", "CPU", True, float("nan"))
+        p.Info(0, 1, 2, 0, False, "", "CPU", True, decode_ms_layer=float("nan"))
     with pytest.raises(ValueError, match=r"Info.step_ms"):
-        p.Info(0, 1, 2, 0, False, "", "CPU", True, 1.0, 1.0, -0.5)
+        p.Info(0, 1, 2, 0, False, "", "CPU", True, decode_ms_layer=1.0, step_ms=-0.5)
 
 
 def test_events_are_frozen_and_hashable():
