@@ -42,7 +42,7 @@ def run(model: Path, placement: str, caches: Path, slow_ms: float, tokens: int) 
         for name, slow in (("fast", ""), ("slow", str(slow_ms))):
             peers.append(subprocess.Popen(
                 [sys.executable, "-m", "mesh", "peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                 "--insecure-open", "--model", str(model), "--cache-dir", str(caches / name), "--name", name],
+                 "--insecure-open", "--model", str(model), "--cache-dir", str(caches / name)],
                 cwd=ROOT, env=dict(env, MESH_TEST_SLOW_MS_PER_LAYER=slow), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True))
         coord = subprocess.run(
@@ -74,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="placement-bench-") as tmp:
         for placement in ("memory", "speed"):
             answer, err = run(args.model, placement, Path(tmp), args.slow_ms, args.tokens)
-            stages = re.findall(r"^stage \d+: (\S+) \([^)]*\), layers (\d+)\.\.(\d+)", err, re.M)
+            stages = re.findall(r"^stage \d+: (.+?) \([^)]*\), layers (\d+)\.\.(\d+)", err, re.M)
             predicted = re.search(r"placement by \w+: predicted ([\d.]+) tok/s decode", err)
             left = re.findall(r"left out (.*)$", err, re.M)
             results[placement] = answer

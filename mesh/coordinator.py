@@ -305,9 +305,9 @@ class Fleet:
 
     async def _leave_out(self, members: list[Member]) -> None:
         """Tell each peer the plan leaves out why (one line with the figures), then send it back to the pool."""
-        codes = {"too_slow": proto.LeftOutCode.TOO_SLOW, "memory": proto.LeftOutCode.MEMORY,
-                 "surplus": proto.LeftOutCode.SURPLUS}
         for m in members:
+            codes = {"too_slow": proto.LeftOutCode.TOO_SLOW, "memory": proto.LeftOutCode.MEMORY,
+                     "surplus": proto.LeftOutCode.SURPLUS}
             kind, line = self._left_out_notes.get(m.number, ("other", f"{m.name} is not in the kept layout"))
             await self.leave(m, codes.get(kind, proto.LeftOutCode.OTHER), line)
 
