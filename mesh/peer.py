@@ -304,7 +304,10 @@ class Peer:
         fp = self.loaded_fingerprint or self.identity
         total = self.loaded_total or (self.meta.n_layers if self.meta else 0)
         kv = self.loaded_kv if self.loaded is not None else (0, 0)
-        speed = self.speeds.get(req.fingerprint, self.backend) if req is not None and req.fingerprint else None
+        # Figures only from a peer that measures (it warms up at load): one started with --warmup 0 stays out of
+        # placement by speed, whatever an earlier run left in the cache, so such a fleet is split by memory
+        speed = self.speeds.get(req.fingerprint, self.backend) \
+            if req is not None and req.fingerprint and self.cfg.warmup > 0 else None
         return proto.Info(start, end, total, self.cfg.memory_mb, self.cfg.layers is not None, fp,
                           self.backend, self.loaded is not None, *kv,
                           *((speed.decode_ms_per_layer, speed.prefill_ms_per_layer, speed.step_ms) if speed else
