@@ -265,6 +265,9 @@ class Fleet:
         """Why this fleet cannot be planned by speed, or None when it can (perhaps after a probe)."""
         if self.cfg.placement != "speed":
             return "--placement memory"
+        if len(reports) == 1 and not self.cfg.layers:
+            # One peer holds every layer whatever it measures: a probe would only cost its compile (~20 s cold).
+            return "one peer: nothing to place"
         for r in reports:
             if r.speed is None and (r.pinned or not r.measures):
                 return f"{r.name} does not measure its speed (it loads with --warmup 0)" if not r.measures else \
