@@ -42,7 +42,9 @@ async def run_mesh(model, chain: str, between=None, webrtc_hops=()) -> tuple[dic
                 fleet, pipe = await coord.form(nursery, stack)
                 service = SimpleNamespace(coord=coord, session=SimpleNamespace(fleet=fleet), scheduler=None,
                                           model_id="tiny", state="serving")
-                history = StageHistory(min_gap=0.0)
+                # keep every reading: the rate after the answer is over the whole answer, which on a loaded box
+                # (cold step shapes: warmup=0) outlasts the view's default 15 s window and left the rate None
+                history = StageHistory(min_gap=0.0, keep=float("inf"))
                 before = await snapshot(service, history, timeout=60)
                 ids = coord.encode("hello there", template="auto")
                 async with trio.open_nursery() as side:
