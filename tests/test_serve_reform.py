@@ -36,6 +36,29 @@ def _wait_session(srv: LiveServer, number: int) -> int:
     return srv.run(wait)
 
 
+def gate_step(monkeypatch, service_mod, *, armed: bool, at: int) -> dict:
+    """Make the service's scheduler hold the answer of its `at`-th step once armed: `reached` is set there, and the
+    answer is collected only after the test sets `open`. Returns the gate (a dict the test arms and reads)."""
+    gate = {"armed": armed, "left": at, "reached": trio.Event(), "open": trio.Event()}
+
+    class Gated(service_mod.Scheduler):
+        def __init__(self, pipe, **kw):
+            super().__init__(pipe, **kw)
+            collect = pipe.collect
+
+            async def gated(group):
+                if gate["armed"]:
+                    gate["left"] -= 1
+                    if gate["left"] == 0:
+                        gate["armed"] = False
+                        gate["reached"].set()
+                        await gate["open"].wait()
+                return await collect(group)
+            pipe.collect = gated
+    monkeypatch.setattr(service_mod, "Scheduler", Gated)
+    return gate
+
+
 def test_peers_come_and_go_and_the_answers_stay_the_same(model):
     expected, _ = chat_reference(model, "Hello there", 12)
     with LiveServer(model) as srv:
@@ -59,25 +82,9 @@ def test_an_answer_survives_a_peer_that_leaves_mid_stream(model, monkeypatch):
     from tests.test_serve_api import text_of
 
     expected = text_of(model, unsharded_tokens(model, N_LAYERS, "Once upon a time", 60))
-    gate = {"armed": False, "left": 8, "reached": trio.Event(), "open": trio.Event()}
-
-    class Gated(service_mod.Scheduler):
-        """Holds the 8th step's answer of the armed request until the test has taken a peer away, so the failure
-        lands mid-answer whatever the machine's speed."""
-        def __init__(self, pipe, **kw):
-            super().__init__(pipe, **kw)
-            collect = pipe.collect
-
-            async def gated(group):
-                if gate["armed"]:
-                    gate["left"] -= 1
-                    if gate["left"] == 0:
-                        gate["armed"] = False
-                        gate["reached"].set()
-                        await gate["open"].wait()
-                return await collect(group)
-            pipe.collect = gated
-    monkeypatch.setattr(service_mod, "Scheduler", Gated)
+    # the 8th step's answer of the armed request waits until the test has taken a peer away, so the failure lands
+    # mid-answer whatever the machine's speed
+    gate = gate_step(monkeypatch, service_mod, armed=False, at=8)
     with LiveServer(model, peers=((0, None), (0, None))) as srv:
         assert len(srv.service.session.members) == 2
         srv.call(gate.__setitem__, "armed", True)
@@ -112,23 +119,7 @@ def test_a_client_gone_from_a_non_streamed_request_frees_its_sequence(model, mon
 
     import mesh.serve.service as service_mod
 
-    gate = {"armed": True, "left": 5, "reached": trio.Event(), "open": trio.Event()}
-
-    class Gated(service_mod.Scheduler):
-        def __init__(self, pipe, **kw):
-            super().__init__(pipe, **kw)
-            collect = pipe.collect
-
-            async def gated(group):
-                if gate["armed"]:
-                    gate["left"] -= 1
-                    if gate["left"] == 0:
-                        gate["armed"] = False
-                        gate["reached"].set()
-                        await gate["open"].wait()
-                return await collect(group)
-            pipe.collect = gated
-    monkeypatch.setattr(service_mod, "Scheduler", Gated)
+    gate = gate_step(monkeypatch, service_mod, armed=True, at=5)
     with LiveServer(model) as srv:
         body = json.dumps({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0})
         with socket.create_connection(("127.0.0.1", srv.port)) as s:       # a client that will vanish
