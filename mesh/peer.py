@@ -61,7 +61,7 @@ class PeerConfig:
     warmup: int = 1                    # decode widths compiled at load (Worker.load); 0: each shape on first use
     report_every: float = 5.0
     rejoin_delay: float = 0.25         # the first retry after losing the coordinator; doubles up to the cap
-    rejoin_max_delay: float = 15.0
+    rejoin_max_delay: float = 5.0      # a restarted coordinator has its peers back within 5 s (issue 12, Faults)
     discover_for: float = 10.0         # one round of LAN discovery; then the failure is said and the peer retries
     discovery_port: int = 9000         # mesh.discovery.PORT
     retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
