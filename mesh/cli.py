@@ -299,7 +299,11 @@ def coord_parser() -> argparse.ArgumentParser:
 def coord_main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:
-        return status_main(argv[1:])
+        try:
+            return status_main(argv[1:])
+        except BrokenPipeError:     # `mesh-coord status | head`: the reader left; no traceback for that
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
     parser = coord_parser()
     args = parser.parse_args(argv)
     if args.prompt is None and not args.chat:

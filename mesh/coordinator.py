@@ -608,11 +608,12 @@ class Coordinator:
         if stream_to is not None:
             stream_to.write(decoder.flush())
             stream_to.flush()
-        self._measured(stamps)
+        self.note_decode_rate(stamps)
         return result.tokens
 
-    def _measured(self, stamps: list[float]) -> None:
-        """Log the decode rate the answer just had next to the planner's prediction, and keep it in `placement`."""
+    def note_decode_rate(self, stamps: list[float]) -> None:
+        """Log the decode rate an answer just had (`stamps`: when each token came, one clock) next to the planner's
+        prediction, and keep it in `placement` for the status view. The CLI's answers and the HTTP service's call it."""
         if len(stamps) < 3:
             return
         rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])

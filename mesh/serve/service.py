@@ -71,6 +71,8 @@ class Answer:
 
     async def __aexit__(self, *exc) -> None:
         await self.gen.__aexit__(*exc)
+        if exc[0] is None and self.retries == 0:    # a whole answer on one fleet: its rate against the prediction
+            self.service.coord.note_decode_rate(list(getattr(self.gen, "token_times", ())))
 
     def __aiter__(self) -> "Answer":
         return self
