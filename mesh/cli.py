@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import trio
@@ -388,9 +389,13 @@ async def _answer_once(coord, pipe, args, sampling) -> None:
     ids = coord.encode(args.prompt, template=args.template)
     t0 = trio.current_time()
     first: list[float] = []
+    stamps: list[float] = []
+
+    def on_token(_tok: int) -> None:
+        first or first.append(trio.current_time())
+        stamps.append(time.perf_counter())
     out = await coord.answer(pipe, ids, max_tokens=args.max_tokens, sampling=sampling,
-                             stream_to=None if args.json else sys.stdout,
-                             on_token=lambda _tok: first or first.append(trio.current_time()))
+                             stream_to=None if args.json else sys.stdout, on_token=on_token, note_rate=False)
     t1 = trio.current_time()
     if args.json:
         import json
@@ -403,6 +408,7 @@ async def _answer_once(coord, pipe, args, sampling) -> None:
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
+    coord.note_decode_rate(stamps)
 
 
 class _Shown:
@@ -549,7 +555,6 @@ def status_main(argv: list[str]) -> None:
     """One look at the mesh. Rates are measured between two readings, so when the server has none recent yet, ask
     again a second later (the server keeps the first)."""
     import json
-    import time
     from mesh.serve.status import format_status
     args = status_parser().parse_args(argv)
     base = args.http if "://" in args.http else f"http://{args.http}"

@@ -568,7 +568,7 @@ class Coordinator:
         return fleet, pipe
 
     async def answer(self, pipe: Pipeline, prompt_ids: list[int], *, max_tokens: int, sampling: Sampling,
-                     resume_from: int = 0, stream_to=None, on_token=None) -> list[int]:
+                     resume_from: int = 0, stream_to=None, on_token=None, note_rate: bool = True) -> list[int]:
         decoder = StreamDecoder(self.tokenizer)
         waiting_first = [True]
         eos = self.tokenizer.eos_ids
@@ -608,7 +608,8 @@ class Coordinator:
         if stream_to is not None:
             stream_to.write(decoder.flush())
             stream_to.flush()
-        self.note_decode_rate(stamps)
+        if note_rate:       # else the caller logs it (after its own newline: a log line must not end the text's line)
+            self.note_decode_rate(stamps)
         return result.tokens
 
     def note_decode_rate(self, stamps: list[float]) -> None:

@@ -11,7 +11,11 @@ MODEL=$(.venv/bin/python -c "from engine.sources import default_model_path; prin
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null' EXIT
 for i in 1 2; do
-  .venv/bin/mesh-peer --join "127.0.0.1:$PORT" --listen 127.0.0.1:0 --model "$MODEL" 2> >(sed "s/^/[peer $i] /" >&2) &
+  .venv/bin/mesh-peer --join "127.0.0.1:$PORT" --listen 127.0.0.1:0 --model "$MODEL" --name "peer-$i" \
+    2> >(sed "s/^/[peer $i] /" >&2) &
   pids+=($!)
 done
-.venv/bin/mesh-coord --listen "127.0.0.1:$PORT" --min-peers 2 --settle 0.5 --prompt "$PROMPT" --max-tokens 64
+# --placement memory: the demo shows the layers split over both peers; placed by measured speed, two peers on one
+# machine are one stage (a hop between two processes of one box costs more than it saves) and the second is left out
+.venv/bin/mesh-coord --listen "127.0.0.1:$PORT" --min-peers 2 --settle 0.5 --placement memory --prompt "$PROMPT" \
+  --max-tokens 64
