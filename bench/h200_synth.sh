@@ -58,6 +58,14 @@ engine() {  # engine <file> <log name> [layout]
     --tokens 64 --ctx 256 --skip llama,memory,batch,split 2>&1 | grep -v Warning | tee -a "$OUT/$2"
 }
 
+decode_ab_depths() {  # decode_ab_depths <file>: bench/decode_ab.py's base at contexts 32 and 512, time allowing
+  local lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $1: no time"; return; }
+  [ "$lim" -gt 150 ] && lim=150
+  echo "== decode_ab $1 (limit ${lim}s)"
+  DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$1.gguf --variant base= --rounds 2 --steps 20 \
+    --positions 32,512 2>&1 | grep -v "Warning\|^variant" | tee -a "$OUT/ab.txt"
+}
+
 llamabench() {  # every file once, when the build is there and time is left
   [ -f /tmp/lb.done ] && return
   [ "$(cat /tmp/lc.rc 2>/dev/null)" = 0 ] || { echo "llama-bench not built yet: $(tail -1 /tmp/lc.log)"; return; }
@@ -246,10 +254,7 @@ depth)  # a fresh machine, side by side at two context lengths: llama.cpp built 
   done
   for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
     engine $f engine.txt
-    lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
-    echo "== decode_ab $f (limit ${lim}s)"
-    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --variant base= --rounds 2 --steps 20 \
-      --positions 32,512 2>&1 | grep -v "Warning\|^variant" | tee -a "$OUT/ab.txt"
+    decode_ab_depths $f
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
@@ -264,10 +269,7 @@ engine-depth)  # a fresh machine, the engine alone (no llama.cpp: take its figur
   for f in ${PFILES:-8b-Q8_0 8b-Q4_0}; do
     while [ ! -f $M/.$f ]; do sleep 2; done
     engine $f engine.txt
-    lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip decode_ab $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
-    echo "== decode_ab $f (limit ${lim}s)"
-    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --variant base= --rounds 2 --steps 20 \
-      --positions 32,512 2>&1 | grep -v "Warning\|^variant" | tee -a "$OUT/ab.txt"
+    decode_ab_depths $f
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -10,22 +9,15 @@ import trio
 import trio.testing
 
 from mesh import proto
+from mesh.scheduler import SchedulerStats
 from mesh.serve.status import (StageCounters, StageHistory, build_status, fleet_hops, fleet_stages, format_status,
                                scheduler_dict, stage_figures, transport_of_addr, transport_of_stream)
 
 
-@dataclass(frozen=True)
-class Stats:          # the scheduler's SchedulerStats shape (mesh/scheduler.py)
-    active: int
-    queued: int
-    max_seqs: int
-    steps: int
-    tokens_out: int
-    prompt_tokens: int = 0
-    in_flight: int = 0
-    micro_batches: int = 1
-    step_ms: float | None = None
-    stage_ms: tuple[float, ...] | None = None
+def Stats(active: int, queued: int, max_seqs: int, steps: int, tokens_out: int, **rest) -> SchedulerStats:
+    """The scheduler's own stats, with the fields a test leaves out at an idle scheduler's values."""
+    idle = dict(prompt_tokens=0, in_flight=0, micro_batches=1, step_ms=None)
+    return SchedulerStats(active, queued, max_seqs, steps, tokens_out, **{**idle, **rest})
 
 
 def member(n: int, host: str, memory_mb: int = 0):
