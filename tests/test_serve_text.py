@@ -37,13 +37,20 @@ def _stream(text: str, cuts: list[int], stops: tuple[str, ...]) -> tuple[list[st
 def test_the_text_before_the_first_stop_and_no_more(text, cuts, stops):
     stops = tuple(stops)
     pieces, out, stopped = _stream(text, cuts, stops)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    assert out == (text[:min(hits)] if hits else text)
+    # the text before the stop string that is complete first (ties: the one that starts first), however it is cut
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    assert out == (text[:min(hits)[1]] if hits else text)
     assert stopped == bool(hits)
     shown = ""
     for p in pieces:                 # no prefix the client saw ever ran past the answer
         shown += p
         assert out.startswith(shown)
+
+
+def test_overlapping_stops_cut_where_the_first_one_completes_whatever_the_tokens():
+    # "\n" is complete after "a\n", before "a\na" is: one token or two, the answer is "a" (found by hypothesis)
+    for cuts in ([], [2], [1], [1, 2]):
+        assert _stream("a\na", cuts, ("\n", "a\na"))[1] == "a"
 
 
 def test_a_stop_split_across_tokens_is_held_back_then_dropped():

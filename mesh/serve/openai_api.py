@@ -207,9 +207,12 @@ class _Text:
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
-        cuts = [at for s in self.stops if (at := self.held.find(s)) >= 0]
-        if cuts:
-            out, self.held, self.stopped = self.held[:min(cuts)], "", True
+        # The answer ends where a stop string is first complete (its end, then its start, the smallest): generation
+        # stops there, so a longer stop that would have ended later never happened. Read that way the cut does not
+        # depend on how the text came in tokens (a stop found one token later is the same cut).
+        ends = [(at + len(s), at) for s in self.stops if (at := self.held.find(s)) >= 0]
+        if ends:
+            out, self.held, self.stopped = self.held[:min(ends)[1]], "", True
             return out
         keep = 0
         if not final:
