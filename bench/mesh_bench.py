@@ -14,15 +14,23 @@ Peers are separate processes on loopback; the coordinator runs in this process. 
 token over the unsharded engine divided by the hops a token crosses (coordinator -> peer 1 -> ... -> peer k -> sink:
 k + 1 hops); per-stage overhead (issue 10's measure) divides the same extra by the k stages.
 
-Then, per stage, the medians over its decode steps of where a step goes inside the peer (the peers log them when
-MESH_STAGE_TIMES names a directory; mesh/peer.py): receive (from the op loop taking the frame to the worker's
-record posted), to device (doorbell to the child starting the step: ring and wake-up), compute (Stage.step, which
-copies the input into the device buffer and the output back), from device (the child's StepDone to the client
-holding it: ring and wake-up), send (frame, seal and write to the successor).
+Then, per stage, the medians over its timed decode steps of where a token goes (the peers log each step when
+MESH_STAGE_TIMES names a directory, mesh/peer.py; every process of this machine stamps CLOCK_MONOTONIC, so the
+bench lines a token up across them): hop in (the predecessor's write, or the coordinator's step start, to this
+peer's Link reader holding the bytes: the socket and the process wake-up), decode (unseal and decode the frame), to
+op (to the step starting: rung from the reader, or taken by the op loop), receive (the peer's own work from there to
+the worker's record posted and from the reply to the output held), to device (doorbell to the child starting the
+step: ring and wake-up), compute (Stage.step, which copies the input into the device buffer and the output back),
+from device (the child's StepDone to the client holding it: ring and wake-up), to write (output held to the
+forward's write starting: frame and seal), send (output held to the send returning; it overlaps the next stage).
+"on the path" sums every phase but compute and send; "sink" is the last stage's write to the coordinator holding
+the token. The unsharded worker's own to device, compute and from device are printed alongside.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import os
 import secrets
 import signal
@@ -54,20 +62,29 @@ async def warm_up(pipe, ids, n) -> list[int]:
     return (await generate(pipe, ids, max_tokens=n, sampling=Sampling(), eos_ids=frozenset())).tokens
 
 
-async def lockstep(base, mesh, ids, n) -> tuple[list[float], list[float], list[int], list[int]]:
-    """Prefill both, then `n` decode steps alternating base and mesh: (base step times, mesh step times, tokens of
-    each). The steps are the ones generate() takes (same columns, greedy), timed one by one."""
-    first = [(await generate(p, ids, max_tokens=1, sampling=Sampling(), eos_ids=frozenset())).tokens[0]
-             for p in (base, mesh)]
-    toks: tuple[list[int], list[int]] = ([first[0]], [first[1]])
-    times: tuple[list[float], list[float]] = ([], [])
-    for pos in range(len(ids), len(ids) + n - 1):
-        for k, pipe in enumerate((base, mesh)):
+async def lockstep(base, meshes, ids, n) -> tuple[list[list[float]], list[list[int]], list[list[tuple]]]:
+    """Prefill all, then `n` decode steps alternating base and each mesh: step times and tokens of each pipe (base
+    first), and each mesh's (start, end) of every timed step (CLOCK_MONOTONIC ms). The steps are the ones
+    generate() takes (same columns, greedy), timed one by one."""
+    pipes = (base, *meshes)
+    toks = [[(await generate(p, ids, max_tokens=1, sampling=Sampling(), eos_ids=frozenset())).tokens[0]]
+            for p in pipes]
+    times: list[list[float]] = [[] for _ in pipes]
+    spans: list[list[tuple]] = [[] for _ in meshes]
+    for i, pos in enumerate(range(len(ids), len(ids) + n - 1)):
+        # the base first, then the meshes in turns (the one right after the base starts with the base's caches)
+        for k in (0, *(1 + (j + i) % len(meshes) for j in range(len(meshes)))):
+            pipe = pipes[k]
             t0 = time.perf_counter()
             (tok,) = await pipe.step([Column(pos, 0, True, toks[k][-1])], Sampling())
-            times[k].append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            times[k].append(t1 - t0)
             toks[k].append(int(tok))
-    return times[0], times[1], toks[0], toks[1]
+            if k:
+                spans[k - 1].append((t0 * 1e3, t1 * 1e3))
+            else:
+                BASE_PHASES.append(_base_phases(base.stage))
+    return times, toks, spans
 
 
 def _depth(model: Path) -> int:
@@ -76,25 +93,57 @@ def _depth(model: Path) -> int:
 
 
 OPEN = False
-TIMES_DIR = ""
-PHASES = ("receive", "to device", "compute", "from device", "send")
+BASE_PHASES: list[list[float]] = []      # the unsharded worker's to device, compute, from device of each step
 
 
-def stage_breakdown(directory: str) -> list[tuple[tuple[int, int], int, list[float]]]:
-    """Per stage (by layer range): the number of decode steps logged and the median ms of each phase."""
-    rows: dict[tuple[int, int], list[list[float]]] = {}
+def _base_phases(w) -> list[float]:
+    """The last step of worker `w`: doorbell out to the child starting, Stage.step, StepDone to the client (ms)."""
+    env = w.events[-1]
+    return [env.mono_ms - env.event.compute_ms - w.sent_mono_ms, env.event.compute_ms,
+            w.received_mono_ms - env.mono_ms]
+
+
+PHASES = ("hop in", "decode", "to op", "receive", "to device", "compute", "from device", "to write", "send")
+
+
+def stage_breakdown(directory: str, steps: list[tuple[float, float]]) -> tuple[list, float]:
+    """Per stage (by layer range): the number of timed decode steps logged and the median ms of each phase, and the
+    median ms from the last stage's write to the coordinator holding the token (the sink hop and its turn).
+
+    hop in = the predecessor's write (the coordinator's step start, for the first stage) to this peer's Link reader
+    holding the bytes; decode = unseal and decode the frame; to op = from there to the step starting (rung by the
+    reader, or taken by the op loop); the other phases come from the peer's own line (mesh/peer.py)."""
+    lines = []
     for f in Path(directory).glob("peer-*.txt"):
         for line in f.read_text().splitlines():
             v = line.split()
-            if len(v) == 8 and v[2] == "1":          # decode steps only (one column)
-                rows.setdefault((int(v[0]), int(v[1])), []).append([float(x) for x in v[3:]])
-    return [(rng, len(steps), [statistics.median(s[i] for s in steps) for i in range(len(PHASES))])
-            for rng, steps in sorted(rows.items())]
+            if len(v) == 13 and v[2] == "1":         # decode steps only (one column)
+                lines.append((int(v[0]), int(v[1]), [float(x) for x in v[3:]]))
+    starts = sorted(steps)
+    by_step: dict[int, list] = {}
+    for a, b, v in lines:
+        i = bisect.bisect_right(starts, (v[6], math.inf)) - 1     # the timed step this one began in
+        if i >= 0 and starts[i][0] <= v[6] <= starts[i][1]:
+            by_step.setdefault(i, []).append((a, b, v))
+    rows: dict[tuple[int, int], list[list[float]]] = {}
+    sink = []
+    for i, stages in by_step.items():
+        stages.sort()
+        prev_wrote = starts[i][0]
+        for a, b, v in stages:
+            receive, to_dev, compute, from_dev, send, arrived, began, wrote, decoded, held = v
+            rows.setdefault((a, b), []).append([arrived - prev_wrote, decoded - arrived, began - decoded, receive,
+                                                to_dev, compute, from_dev, wrote - held, send])
+            prev_wrote = wrote
+        sink.append(starts[i][1] - prev_wrote)
+    return ([(rng, len(s), [statistics.median(x[i] for x in s) for i in range(len(PHASES))])
+             for rng, s in sorted(rows.items())], statistics.median(sink) if sink else math.nan)
 
 
 @asynccontextmanager
-async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...]):
-    """A formed fleet of `peers` peer processes on loopback; yields its pipeline."""
+async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...], times_dir: str,
+                 extra_env: dict[str, str]):
+    """A formed fleet of `peers` peer processes on loopback (`extra_env` in theirs); yields its pipeline."""
     port = free_port()
     token = None if OPEN else secrets.token_urlsafe(24)     # sealed links, as a fleet runs them (--open: not)
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
@@ -103,8 +152,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...])
     coord = Coordinator(cfg)
     procs = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    if TIMES_DIR:
-        env["MESH_STAGE_TIMES"] = TIMES_DIR
+    env["MESH_STAGE_TIMES"] = times_dir
+    env.update(extra_env)
     env.pop("MESH_TOKEN", None)
     if token:
         env["MESH_TOKEN"] = token
@@ -150,6 +199,9 @@ async def main() -> None:
     ap.add_argument("--chain", default="p2p")
     ap.add_argument("--rounds", type=int, default=3, help="timed (unsharded, mesh) answer pairs per configuration")
     ap.add_argument("--rtc-middle", action="store_true", help="also run 3 peers with the middle hop on WebRTC")
+    ap.add_argument("--ab", default="", metavar="VAR=VALUE",
+                    help="also run each configuration with VAR=VALUE in its peers' environment, in the same lockstep "
+                         "rounds (base, mesh, mesh with VAR): an A/B of one change on a shared machine")
     ap.add_argument("--open", action="store_true", help="open fleet (no token): links sealed with keys from the key "
                                                        "exchange alone; the default is a token, as `mesh-coord` makes")
     args = ap.parse_args()
@@ -160,41 +212,56 @@ async def main() -> None:
     ids = tok.encode(PROMPT)
     print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}, "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
-    global TIMES_DIR
     rows = [(f"mesh, {k} peer{'s' * (k > 1)}", k, ()) for k in map(int, args.peers.split(","))]
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))
+    variants = [("", {})]
+    if args.ab:
+        var, _, value = args.ab.partition("=")
+        variants.append((f" [{var}={value}]", {var: value}))
     async with open_worker() as w:
         await w.load(model, 0, _depth(model))
         local = LocalPipeline(w)
         ref = await warm_up(local, ids, args.tokens)
-        print(f"{'':32s} {'tok/s':>7s} {'unsharded':>9s}   {'ratio (min..max)':>21s}   {'mean-based':>10s}")
+        print(f"{'':44s} {'tok/s':>7s} {'unsharded':>9s}   {'ratio (min..max)':>21s}   {'mean-based':>10s}")
         breakdowns = []
         for name, k, rtc in rows:
-            TIMES_DIR = tempfile.mkdtemp(prefix="mesh-stage-times-")
-            async with meshed(model, k, args.chain, rtc) as pipe:
-                same = await warm_up(pipe, ids, args.tokens) == ref
-                rounds = []
+            dirs = [tempfile.mkdtemp(prefix="mesh-stage-times-") for _ in variants]
+            async with AsyncExitStack() as fleets:
+                pipes = [await fleets.enter_async_context(meshed(model, k, args.chain, rtc, d, env))
+                         for d, (_, env) in zip(dirs, variants)]
+                same = [await warm_up(p, ids, args.tokens) == ref for p in pipes]
+                rounds: list[list[tuple]] = [[] for _ in pipes]
+                spans: list[list[tuple]] = [[] for _ in pipes]
                 for _ in range(args.rounds):
-                    base, mesh, t_base, t_mesh = await lockstep(local, pipe, ids, args.tokens)
-                    same = same and t_base == ref and t_mesh == ref
-                    rounds.append((statistics.median(base) / statistics.median(mesh),
-                                   statistics.fmean(base) / statistics.fmean(mesh), 1 / statistics.fmean(mesh),
-                                   1 / statistics.fmean(base), statistics.median(mesh) - statistics.median(base)))
+                    times, toks, steps = await lockstep(local, pipes, ids, args.tokens)
+                    base = times[0]
+                    for v, mesh in enumerate(times[1:]):
+                        same[v] = same[v] and toks[0] == ref and toks[v + 1] == ref
+                        spans[v] += steps[v]
+                        rounds[v].append((statistics.median(base) / statistics.median(mesh),
+                                          statistics.fmean(base) / statistics.fmean(mesh), 1 / statistics.fmean(mesh),
+                                          1 / statistics.fmean(base), statistics.median(mesh) - statistics.median(base)))
             mid = statistics.median
-            ratios = sorted(r[0] for r in rounds)
-            overhead_ms = mid(r[4] for r in rounds) / (k + 1) * 1e3
-            per_stage_ms = mid(r[4] for r in rounds) / k * 1e3
-            print(f"{name:32s} {mid(r[2] for r in rounds):7.2f} {mid(r[3] for r in rounds):9.2f}   "
-                  f"{mid(ratios):.3f} ({ratios[0]:.3f}..{ratios[-1]:.3f})   {mid(r[1] for r in rounds):10.3f}   "
-                  f"{overhead_ms:+.2f} ms/hop   {per_stage_ms:+.2f} ms/stage   "
-                  f"{'bitwise equal' if same else 'DIFFERENT TOKENS'}", flush=True)
-            breakdowns.append((name, stage_breakdown(TIMES_DIR)))
-        print("per stage, medians of its decode steps in ms: " + ", ".join(PHASES))
-        for name, stages in breakdowns:
+            for v, (suffix, _) in enumerate(variants):
+                ratios = sorted(r[0] for r in rounds[v])
+                overhead_ms = mid(r[4] for r in rounds[v]) / (k + 1) * 1e3
+                per_stage_ms = mid(r[4] for r in rounds[v]) / k * 1e3
+                print(f"{name + suffix:44s} {mid(r[2] for r in rounds[v]):7.2f} {mid(r[3] for r in rounds[v]):9.2f}   "
+                      f"{mid(ratios):.3f} ({ratios[0]:.3f}..{ratios[-1]:.3f})   {mid(r[1] for r in rounds[v]):10.3f}   "
+                      f"{overhead_ms:+.2f} ms/hop   {per_stage_ms:+.2f} ms/stage   "
+                      f"{'bitwise equal' if same[v] else 'DIFFERENT TOKENS'}", flush=True)
+                breakdowns.append((name + suffix, *stage_breakdown(dirs[v], spans[v])))
+        print("per stage, medians of its timed decode steps in ms: " + ", ".join(PHASES))
+        base_ms = [statistics.median(p[i] for p in BASE_PHASES) for i in range(3)]
+        print(f"  {'unsharded (one worker)':44s} all layers   ({len(BASE_PHASES):3d} steps)  " + "  ".join(
+            f"{'':7s}" for _ in range(4)) + "  " + "  ".join(f"{x:7.3f}" for x in base_ms))
+        print("  (on the token's path: every phase but compute and send; send overlaps the next stage)")
+        for name, stages, sink in breakdowns:
             for (a, b), n, ms in stages:
-                print(f"  {name:32s} layers {a:2d}..{b:2d} ({n:3d} steps)  " + "  ".join(f"{x:7.3f}" for x in ms)
-                      + f"   phases other than compute {sum(ms) - ms[2]:.3f}")
+                print(f"  {name:44s} layers {a:2d}..{b:2d} ({n:3d} steps)  " + "  ".join(f"{x:7.3f}" for x in ms)
+                      + f"   on the path {sum(ms) - ms[5] - ms[8]:.3f}")
+            print(f"  {name:44s} sink: last stage's write to the coordinator holding the token {sink:7.3f}")
     from engine.gguf_meta import read_model_meta
     p2p, sink = hop_bytes(read_model_meta(model).dim)
     print(f"bytes per token per hop: {p2p} between peers (hidden state + step), {sink} to the sink (the token); "

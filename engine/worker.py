@@ -40,7 +40,7 @@ from engine.worker_proto import (BlockTable, Command, CommandError, Done, Envelo
 from engine.worker_records import (DOORBELL, doorbell, DTYPE_NAME, KIND_BY_DTYPE, decode_event_record, encode_small,
                                    step_head)
 
-__all__ = ["open_worker", "Worker", "StepOut", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
+__all__ = ["open_worker", "Worker", "StepOut", "PostedStep", "WorkerInfo", "WorkerError", "WorkerDied", "WorkerFatal", "WorkerCommandError",
            "DEFAULT_ARENA_BYTES"]
 
 DEFAULT_ARENA_BYTES = 64 << 20  # memfd pages are only backed once touched; 32 MiB per ring fits big prefills
@@ -108,6 +108,18 @@ class StepOut:
         return a if self.kind == PayloadKind.TOKENS_I32 else a.reshape(self.rows, self.cols)
 
 
+_BROKEN = b"broken"   # _post_nowait's marker (by identity) for a doorbell the pipe refused: the child is gone
+
+
+class PostedStep:
+    """A step whose record is written and whose doorbell rang (`Worker.post_step_nowait`): its command id, step
+    id, and what of the doorbell is still to be written (None when nothing is)."""
+    __slots__ = ("cid", "step_id", "unsent")
+
+    def __init__(self, cid: int, step_id: int, unsent: bytes | None) -> None:
+        self.cid, self.step_id, self.unsent = cid, step_id, unsent
+
+
 class Worker:
     """A running worker process. Build it with `open_worker`."""
 
@@ -124,7 +136,8 @@ class Worker:
         # was taken in: with an event's mono_ms and compute_ms they split a round trip into its legs
         self.sent_mono_ms = 0.0
         self.received_mono_ms = 0.0
-        self._lock = trio.StrictFIFOLock()
+        # Not a Lock: a step posted by one task (a peer's Link reader) is awaited, and released, by another
+        self._lock = trio.Semaphore(1, max_value=1)
         self._cid = 0
         self._step_id = 0
         self._last_seq = 0
@@ -182,11 +195,6 @@ class Worker:
     async def step_raw(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`step` on raw bytes: `data` (bytes-like, len(cols) x dim values of `kind`, or None) goes straight into the
         Step record; the output comes back as the bytes of the StepDone record. No numpy on the way."""
-        try:
-            samplings = samplings_for(sampling, cols)
-        except ValueError as exc:
-            raise WorkerCommandError("Step", str(exc)) from None
-        per_column = not isinstance(sampling, Sampling)
         # A decode step takes the lock uncontended; acquire() would pass through trio's scheduler once. The wait for
         # the reply is the step's checkpoint.
         try:
@@ -194,28 +202,35 @@ class Worker:
         except trio.WouldBlock:
             await self._lock.acquire()
         try:
-            self._check_usable()
-            if self._closed:
-                raise WorkerError(f"worker process {self.pid} is closed")
-            if self.info is not None and not self.info.last:
-                need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + 4 * RECORD_HEADER_LEN
-                if need > self.arena.capacity:
-                    raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
-                                                     f"holds {self.arena.capacity}; open the worker with a larger "
-                                                     f"arena")
-            self._cid += 1
-            self._step_id += 1
-            cid = self._cid
-            try:
-                head = step_head(cid, self._step_id, cols, samplings, per_column, kind, dim)
-            except (struct.error, TypeError, AttributeError) as exc:
-                raise WorkerCommandError("Step", f"columns or sampling cannot be sent: {exc}") from None
-            await self._post((head, data) if data is not None else (head,), cid, "Step")
-            env, out, ref, view = await self._reply(cid, "Step", StepDone)
+            posted = self._post_step(cols, data, kind, dim, sampling)
+        except BaseException:
+            self._lock.release()
+            raise
+        return await self.step_posted(posted)
+
+    def post_step_nowait(self, cols: Sequence[Column], data, kind: int, dim: int,
+                         sampling: SamplingArg) -> "PostedStep":
+        """The first half of `step_raw`, synchronous: write the Step record and ring the child now, from whatever
+        task holds the bytes (a peer's Link reader, as the frame is decoded), and hand the wait for the reply to
+        `step_posted`, which must follow (or `abandon`). Raises trio.WouldBlock when another command is in flight
+        (nothing was sent then) and what `step_raw` raises for a step that cannot be sent."""
+        self._lock.acquire_nowait()
+        try:
+            return self._post_step(cols, data, kind, dim, sampling)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    async def step_posted(self, posted: "PostedStep") -> StepOut:
+        """Wait for the reply to a posted step; releases the client for the next command."""
+        try:
+            if posted.unsent:
+                await self._ring_rest(posted.unsent, "Step")
+            env, out, ref, view = await self._reply(posted.cid, "Step", StepDone)
             try:
                 ev = env.event
-                if ev.step_id != self._step_id:
-                    raise self._break(WorkerFatal("protocol", f"step {self._step_id} answered for step {ev.step_id}"))
+                if ev.step_id != posted.step_id:
+                    raise self._break(WorkerFatal("protocol", f"step {posted.step_id} answered for step {ev.step_id}"))
                 data_out = bytes(view[out.offset:out.offset + out.nbytes])
             finally:
                 self._release(ref, view)
@@ -223,6 +238,37 @@ class Worker:
                            self.received_mono_ms)
         finally:
             self._lock.release()
+
+    def abandon(self, posted: "PostedStep") -> None:
+        """Give up on a posted step nobody will wait for (its caller went away): the client is free again, and the
+        step's reply, when it comes, is skipped as stale (its cid is below the next command's)."""
+        if posted.unsent:       # half a doorbell would desynchronize the channel: a worker in that state is unusable
+            self._break(WorkerError(f"worker process {self.pid}: a step was abandoned before its doorbell was out"))
+        self._lock.release()
+
+    def _post_step(self, cols, data, kind: int, dim: int, sampling: SamplingArg) -> "PostedStep":
+        """Check, write the Step record, ring (as far as the pipe takes it without waiting). Lock held."""
+        try:
+            samplings = samplings_for(sampling, cols)
+        except ValueError as exc:
+            raise WorkerCommandError("Step", str(exc)) from None
+        per_column = not isinstance(sampling, Sampling)
+        self._check_usable()
+        if self._closed:
+            raise WorkerError(f"worker process {self.pid} is closed")
+        if self.info is not None and not self.info.last:
+            need = len(cols) * self.info.dim * np.dtype(self.info.act_dtype).itemsize + 4 * RECORD_HEADER_LEN
+            if need > self.arena.capacity:
+                raise WorkerCommandError("Step", f"{len(cols)} columns need {need} bytes of the egress ring, it "
+                                                 f"holds {self.arena.capacity}; open the worker with a larger arena")
+        try:
+            head = step_head(self._cid + 1, self._step_id + 1, cols, samplings, per_column, kind, dim)
+        except (struct.error, TypeError, AttributeError) as exc:
+            raise WorkerCommandError("Step", f"columns or sampling cannot be sent: {exc}") from None
+        self._cid += 1
+        self._step_id += 1
+        unsent = self._post_nowait((head, data) if data is not None else (head,), self._cid, "Step")
+        return PostedStep(self._cid, self._step_id, unsent)
 
     async def zero_slot(self, slot: int) -> None:
         await self._request(lambda cid: ZeroSlot(cid, slot), Done)
@@ -283,9 +329,16 @@ class Worker:
             return env.event
 
     async def _post(self, parts, cid: int, name: str) -> None:
+        """Write one command record and ring the child (see `_post_nowait`)."""
+        unsent = self._post_nowait(parts, cid, name)
+        if unsent:
+            await self._ring_rest(unsent, name)
+
+    def _post_nowait(self, parts, cid: int, name: str) -> bytes | None:
         """Write one command record and ring the child. The doorbell goes straight to the non-blocking pipe (40
-        bytes, far below its buffer, which the child drains between commands): no pass through the scheduler. What
-        does not fit goes through the stream, shielded: half a doorbell would desynchronize the channel for good."""
+        bytes, far below its buffer, which the child drains between commands): no pass through the scheduler.
+        Returns what of the doorbell did not fit (None: all of it went), for `_ring_rest`; b"" when the pipe is
+        broken (the child is gone: `_ring_rest` names how it ended)."""
         try:
             ref = self.ingress.write_parts(cid, PayloadKind.MESSAGE, parts)
         except ArenaError as exc:
@@ -297,13 +350,19 @@ class Worker:
         except BlockingIOError:
             sent = 0
         except OSError:  # EPIPE: the child is gone; EBADF: the pipe was closed
-            raise await self._died(name) from None
-        if sent < len(bell):
-            with trio.CancelScope(shield=True):
-                try:
-                    await self.process.stdin.send_all(bell[sent:])
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise await self._died(name) from None
+            return _BROKEN
+        return bell[sent:] if sent < len(bell) else None
+
+    async def _ring_rest(self, unsent: bytes, name: str) -> None:
+        """The rest of a doorbell the pipe did not take at once, shielded: half a doorbell would desynchronize the
+        channel for good."""
+        if unsent is _BROKEN:
+            raise await self._died(name)
+        with trio.CancelScope(shield=True):
+            try:
+                await self.process.stdin.send_all(unsent)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise await self._died(name) from None
 
     async def _reply(self, cid: int, name: str, expect: type):
         """Wait for the event answering command `cid`: (envelope, step output or None, record ref, payload view);

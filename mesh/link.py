@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Callable, Literal
 
 import trio
 
@@ -120,6 +121,16 @@ class Link:
         self._sent_shutdown = False
         self._failed = trio.Event()
         self._closed = trio.Event()
+        # CLOCK_MONOTONIC (time.perf_counter) when the last bytes were read, the last event decoded and the last
+        # frame's write began: one clock for every process of a machine, so a bench lines up a token's hops
+        self.arrived = 0.0
+        self.decoded = 0.0
+        self.wrote = 0.0
+        self.take: Callable[[proto.Event], bool] | None = None
+        """Called by the reader for each flow-controlled event (not Error) that arrives while the queue is empty,
+        as soon as it is decoded, in the reader task: True means the callee consumed it (it is not queued). What a
+        hot path hangs here skips one pass of trio's scheduler (the wake-up of the task in `receive`). It must not
+        block or raise; it may start work for an event it leaves queued (a peer rings its worker)."""
 
     # ------------------------------------------------------------------------------------------------ public
 
@@ -204,6 +215,7 @@ class Link:
             # background task does on any failure (the watchdog's LinkDead included) and on close.
             parts = [part for f in frames for part in self._codec.frame(f)]
             with trio.CancelScope(shield=True):
+                self.wrote = time.perf_counter()
                 for data in parts:
                     await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -311,6 +323,7 @@ class Link:
         try:
             while self._drain():
                 data = await self.stream.receive_some(RECEIVE_SIZE)
+                self.arrived = time.perf_counter()
                 self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
                 self._codec.receive_data(data)
         except proto.ProtocolError as exc:
@@ -354,6 +367,14 @@ class Link:
                     self._queue.append((event, 0))
                     self._fail(LinkClosed("the peer closed the link after an error"))
                     return False
+                self.decoded = time.perf_counter()
+                if self.take is not None and not self._queue and not isinstance(event, proto.Error) \
+                        and self.take(event):
+                    update = self._flow.on_consumed(cost)
+                    if update is not None:
+                        self._credit_owed += update.credit
+                        self._wake_control.set()
+                    continue
                 self._queue.append((event, cost))
                 self._queue_lot.unpark()
 

@@ -11,6 +11,7 @@ only these and imports nothing from this module.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -98,7 +99,13 @@ class Peer:
         self.loaded_shape: tuple[int, int] | None = None   # (n_slots, max_context) of the loaded stage
         self.backend = ""
         self.speeds = SpeedCache(self._cache_root())   # this device's measured figures, per model
-        self.compute = trio.Lock()          # one stage, many links: compute and forward in one critical section
+        # One stage, many links: compute and forward in one critical section. A Semaphore, not a Lock: a step rung
+        # by a Link's reader (`_take_step`) holds it until the op loop of that link has forwarded the output.
+        self.compute = trio.Semaphore(1, max_value=1)
+        self._waiting: set = set()          # links whose op loop waits in receive() with nothing queued
+        self._posted: dict = {}             # link -> (its head BatchStep, engine.worker.PostedStep, perf_counter)
+        # MESH_RING_FROM_READER=0: steps wait for the op loop (bench/mesh_bench.py --ab compares the two)
+        self.ring_from_reader = os.environ.get("MESH_RING_FROM_READER", "1") != "0"
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport(show_text=cfg.show_text)
@@ -236,9 +243,54 @@ class Peer:
 
     # ---- the op loop ---------------------------------------------------------------------------------------
     async def _serve_ops(self, link, nursery, *, control: bool) -> None:
+        link.take = functools.partial(self._take_step, link) if self.ring_from_reader else None
+        try:
+            await self._op_loop(link, nursery, control)
+        finally:
+            link.take = None
+            self._waiting.discard(link)
+            posted = self._posted.pop(link, None)
+            if posted is not None:          # rung, then the link or the session ended before the op loop took it
+                self.worker.abandon(posted[1])
+                self.compute.release()
+
+    def _take_step(self, link, ev) -> bool:
+        """The Link reader's hook (`Link.take`): a decode or prefill step arriving while this link's op loop waits,
+        the stage is idle and nothing is queued before it, is rung into the worker at once, from the reader task
+        (the doorbell goes out one scheduler pass sooner than from the op loop); the event stays queued and the op
+        loop waits for its reply and forwards as usual. Anything else, or anything that would have to wait, is left
+        to the op loop. Never raises."""
+        if type(ev) is not proto.BatchStep or link not in self._waiting or self.loaded is None or link in self._posted:
+            return False
+        hidden = ev.hidden
+        if hidden is None:
+            data, kind, dim = None, 0, 0
+        else:
+            kind = _RING_KIND.get(hidden.dtype)
+            if kind is None:
+                return False
+            data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
+        t0 = time.perf_counter()
+        try:
+            self.compute.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        try:
+            posted = self.worker.post_step_nowait(ev.columns, data, kind, dim, ev.sampling)
+        except Exception:   # the worker is busy, or refuses the step: the op loop's ordinary path runs and reports
+            self.compute.release()
+            return False
+        self._posted[link] = (ev, posted, t0)
+        return False
+
+    async def _op_loop(self, link, nursery, control: bool) -> None:
         while True:
             try:
-                ev = await link.receive()
+                self._waiting.add(link)
+                try:
+                    ev = await link.receive()
+                finally:
+                    self._waiting.discard(link)
             except LinkClosed:
                 return
             except RemoteError as exc:
@@ -438,25 +490,38 @@ class Peer:
             await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, "no layers loaded yet"))
             return
         t0 = time.perf_counter()
-        if isinstance(ev, proto.Step):
-            cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
-            ev = proto.BatchStep(ev.group, False, tuple(cols), ev.hidden, ev.sampling)
-        hidden = ev.hidden
-        if hidden is None:
-            data, kind, dim = None, 0, 0
+        arrived = link.arrived
+        decoded = link.decoded
+        posted = self._posted.pop(link, None)
+        if posted is not None and posted[0] is not ev:  # cannot happen (the op loop takes events in order): give up
+            self.worker.abandon(posted[1])
+            self.compute.release()
+            posted = None
+        if posted is not None:      # rung by the Link's reader (`_take_step`): the compute permit is held already
+            posted, t0 = posted[1], posted[2]
         else:
-            kind = _RING_KIND.get(hidden.dtype)
-            if kind is None:
-                raise ValueError(f"activations of dtype {hidden.dtype} cannot go to a worker (f16 or f32 only)")
-            data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
-        # Uncontended (every decode step) the lock is taken without a pass through trio's scheduler; the worker's
-        # wait for its reply is the checkpoint.
+            if isinstance(ev, proto.Step):
+                cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
+                ev = proto.BatchStep(ev.group, False, tuple(cols), ev.hidden, ev.sampling)
+            hidden = ev.hidden
+            if hidden is None:
+                data, kind, dim = None, 0, 0
+            else:
+                kind = _RING_KIND.get(hidden.dtype)
+                if kind is None:
+                    raise ValueError(f"activations of dtype {hidden.dtype} cannot go to a worker (f16 or f32 only)")
+                data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
+            # Uncontended (every decode step) the lock is taken without a pass through trio's scheduler; the
+            # worker's wait for its reply is the checkpoint.
+            try:
+                self.compute.acquire_nowait()
+            except trio.WouldBlock:
+                await self.compute.acquire()
         try:
-            self.compute.acquire_nowait()
-        except trio.WouldBlock:
-            await self.compute.acquire()
-        try:
-            out = await self.worker.step_raw(ev.columns, data, kind, dim, ev.sampling)
+            if posted is not None:
+                out = await self.worker.step_posted(posted)
+            else:
+                out = await self.worker.step_raw(ev.columns, data, kind, dim, ev.sampling)
             t1 = time.perf_counter()
             if out.kind == _TOKENS:
                 tokens = struct.unpack(f"<{out.rows}i", out.data)
@@ -465,18 +530,23 @@ class Peer:
                 act = proto.Activation(_WIRE_DTYPE[out.kind], (out.rows, out.cols), out.data)
                 reply = proto.BatchStep(ev.group, ev.wide, ev.columns, act, ev.sampling) if self.forward \
                     else proto.Hidden(ev.group, act)
-            await (self.forward.link if self.forward else link).send(reply)
+            out_link = self.forward.link if self.forward else link
+            await out_link.send(reply)
         finally:
             self.compute.release()
         t2 = time.perf_counter()
         self.report.record(ev.columns, t2 - t0, self.vocab)
         if self.stage_times is not None:
             # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
-            # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage
+            # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage;
+            # then the clock (ms) when the frame's bytes were read, when this step began (rung by the reader or
+            # taken by the op loop), when the forward's write began, when the frame was decoded, when the output
+            # was held
             to_w = out.done_ms - out.compute_ms - out.sent_ms
-            print(f"{self.loaded[0]} {self.loaded[1]} {len(ev.columns)} {(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} "
-                  f"{out.compute_ms:.4f} {out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f}",
-                  file=self.stage_times, flush=True)
+            print(f"{self.loaded[0]} {self.loaded[1]} {len(ev.columns)} "
+                  f"{(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} {out.compute_ms:.4f} "
+                  f"{out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f} {arrived * 1e3:.4f} {t0 * 1e3:.4f} "
+                  f"{out_link.wrote * 1e3:.4f} {decoded * 1e3:.4f} {t1 * 1e3:.4f}", file=self.stage_times, flush=True)
 
     async def _handle_inband(self, ev) -> None:
         if self.worker is not None and self.loaded is not None:

@@ -319,3 +319,34 @@ async def test_an_error_in_the_body_leaves_as_itself_not_as_a_group():
                 raise LinkClosed("gone")
         assert type(caught.value) is LinkClosed
         nursery.cancel_scope.cancel()
+
+
+async def test_take_consumes_events_in_the_reader_and_returns_their_credit():
+    """A `take` hook sees each flow-controlled event that arrives on an empty queue, in the reader; what it keeps
+    never reaches receive(), and its bytes are credited back (a writer far past the window is not stalled)."""
+    window, chunk = 64 * 1024, 1000
+    async with link_pair(window=window) as (client, server):
+        taken = []
+        server.take = lambda ev: isinstance(ev, p.ShipChunk) and not taken.append(ev.offset)
+        with trio.fail_after(10):
+            for i in range(200):                    # ~3x the window: only returned credit lets these through
+                await client.send(p.ShipChunk(i * chunk, bytes(chunk)))
+            await client.send(p.Ack(p.MsgType.LOAD))    # not taken: queued for receive()
+            assert await server.receive() == p.Ack(p.MsgType.LOAD)
+        assert taken == [i * chunk for i in range(200)]
+
+
+async def test_take_is_not_offered_errors_nor_events_behind_queued_ones():
+    async with link_pair() as (client, server):
+        offered = []
+        server.take = lambda ev: offered.append(ev) and False
+        await client.send(p.Error(p.ErrorCode.BAD_REQUEST, "no"))
+        await client.send(p.Ack(p.MsgType.LOAD, 1))       # the Error is still queued: not offered
+        await trio.testing.wait_all_tasks_blocked()        # both read before anything is received
+        with trio.fail_after(10):
+            with pytest.raises(RemoteError):
+                await server.receive()
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 1)
+            await client.send(p.Ack(p.MsgType.LOAD, 2))    # the queue is empty now: offered, then queued
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 2)
+        assert offered == [p.Ack(p.MsgType.LOAD, 2)]

@@ -10,7 +10,7 @@ import trio
 
 from common.values import Column, Sampling
 from engine.arena import Arena
-from engine.worker import WorkerFatal, Worker, _PROJECT_ROOT
+from engine.worker import WorkerCommandError, WorkerFatal, Worker, _PROJECT_ROOT
 
 FAKE_CHILD = r"""
 import os, struct, sys
@@ -126,3 +126,38 @@ async def test_a_reply_after_its_caller_was_cancelled_is_released_and_skipped():
         assert np.array_equal(await w.step([Col(1, 0)], None, Greedy()), np.array([7], dtype=np.int32))
         await w.reset()
         assert [e.seq for e in w.events] == [1, 2, 3]
+
+
+async def test_a_step_posted_by_one_task_is_awaited_by_another_and_a_second_post_waits():
+    """post_step_nowait rings the child at once (a peer's Link reader does, as the frame is decoded); the reply is
+    awaited by another task with step_posted. While one is in flight, a second post is refused (nothing sent)."""
+    async with fake_worker("ok") as w:
+        posted = w.post_step_nowait([Col(0, 0)], None, 0, 0, Greedy())
+        with pytest.raises(trio.WouldBlock):
+            w.post_step_nowait([Col(1, 0)], None, 0, 0, Greedy())
+        got = []
+
+        async def other_task():
+            got.append(await w.step_posted(posted))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+        (out,) = got
+        assert out.data == np.array([7], dtype=np.int32).tobytes() and out.sent_ms <= out.received_ms
+        assert np.array_equal(await w.step([Col(1, 0)], None, Greedy()), np.array([7], dtype=np.int32))
+        assert [e.seq for e in w.events] == [1, 2]
+
+
+async def test_an_abandoned_posted_step_frees_the_worker_and_its_reply_is_skipped():
+    async with fake_worker("ok") as w:
+        w.abandon(w.post_step_nowait([Col(0, 0)], None, 0, 0, Greedy()))
+        with trio.fail_after(10):
+            assert np.array_equal(await w.step([Col(1, 0)], None, Greedy()), np.array([7], dtype=np.int32))
+            await w.reset()
+        assert [e.seq for e in w.events] == [1, 2, 3]     # the abandoned step's reply was read and skipped
+
+
+async def test_a_posted_step_that_cannot_be_sent_raises_and_leaves_the_worker_free():
+    async with fake_worker("ok") as w:
+        with pytest.raises(WorkerCommandError, match="2 Sampling entries for 1 columns"):
+            w.post_step_nowait([Col(0, 0)], None, 0, 0, [Greedy(), Greedy()])   # two samplings for one column
+        assert np.array_equal(await w.step([Col(1, 0)], None, Greedy()), np.array([7], dtype=np.int32))
