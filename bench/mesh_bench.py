@@ -167,12 +167,49 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
                     stderr=subprocess.DEVNULL, start_new_session=True))
             async with AsyncExitStack() as stack:
                 _fleet, pipe = await coord.form(nursery, stack)
+                pipe.peer_pids = [p.pid for p in procs]
                 yield pipe
             nursery.cancel_scope.cancel()
     finally:
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def cpu_times(pids: list[int], children: bool = True) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (thread name, user + system CPU seconds) of every thread of these processes and, with
+    `children`, of their children (a peer's worker): per-thread accounting of who burns the cores around a token."""
+    import psutil
+    out = {}
+    for pid in pids:
+        try:
+            procs = [psutil.Process(pid)]
+            procs += procs[0].children(recursive=True) if children else []
+        except psutil.Error:
+            continue
+        for proc in procs:
+            try:
+                for t in proc.threads():
+                    try:
+                        name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+                    except OSError:
+                        name = "?"
+                    kind = "main" if t.id == proc.pid else name
+                    role = "worker" if proc.pid != pid or "worker_main" in " ".join(proc.cmdline()) else "peer"
+                    out[(proc.pid, t.id)] = (f"{role} {kind}", t.user_time + t.system_time)
+            except psutil.Error:
+                continue
+    return out
+
+
+def cpu_per_token(before, after, steps: int) -> dict[str, float]:
+    """ms of CPU per timed decode step by thread role, summed over the threads of that role."""
+    per: dict[str, float] = {}
+    for key, (name, t) in after.items():
+        t0 = before.get(key, (name, 0.0))[1]
+        role = "worker helpers" if name.startswith("worker") and not name.endswith("main") else name
+        per[role] = per.get(role, 0.0) + (t - t0) * 1e3 / steps
+    return per
 
 
 def free_port() -> int:
@@ -233,6 +270,8 @@ async def main() -> None:
                 same = [await warm_up(p, ids, args.tokens) == ref for p in pipes]
                 rounds: list[list[tuple]] = [[] for _ in pipes]
                 spans: list[list[tuple]] = [[] for _ in pipes]
+                watched = [[os.getpid()], [w.pid], *[p.peer_pids for p in pipes]]
+                cpu_before = [cpu_times(pids, k > 0) for k, pids in enumerate(watched)]
                 for _ in range(args.rounds):
                     times, toks, steps = await lockstep(local, pipes, ids, args.tokens)
                     base = times[0]
@@ -242,7 +281,15 @@ async def main() -> None:
                         rounds[v].append((statistics.median(base) / statistics.median(mesh),
                                           statistics.fmean(base) / statistics.fmean(mesh), 1 / statistics.fmean(mesh),
                                           1 / statistics.fmean(base), statistics.median(mesh) - statistics.median(base)))
+                steps = args.rounds * (args.tokens - 1)
+                cpu = [cpu_per_token(b, cpu_times(pids, k > 0), steps) for k, (b, pids) in enumerate(zip(cpu_before, watched))]
             mid = statistics.median
+            print(f"  CPU per timed step, ms (all threads of a role): this process (coordinator, unsharded client) "
+                  f"{sum(cpu[0].values()):.2f}; unsharded worker "
+                  + ", ".join(f"{r} {t:.2f}" for r, t in sorted(cpu[1].items())))
+            for v, (suffix, _) in enumerate(variants):
+                print(f"  {name + suffix}: its peers together: "
+                      + ", ".join(f"{r} {t:.2f}" for r, t in sorted(cpu[2 + v].items())))
             for v, (suffix, _) in enumerate(variants):
                 ratios = sorted(r[0] for r in rounds[v])
                 overhead_ms = mid(r[4] for r in rounds[v]) / (k + 1) * 1e3
