@@ -51,11 +51,16 @@ class SchedulerStopped(SchedulerError):
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: prompt token ids, at most `max_tokens` new ones; a token in `stop_ids` ends it unemitted."""
+    """One generation: prompt token ids, at most `max_tokens` new ones; a token in `stop_ids` ends it unemitted.
+
+    `replay`: tokens this request already generated on a chain that failed (the service's re-form). They are fed
+    after the prompt, cut as that chain computed them (NOTES "Serving", "Replay"), count toward `max_tokens`, and
+    are not emitted again: the generation goes on with the token after them, bitwise as if nothing had failed."""
     prompt_ids: tuple[int, ...]
     max_tokens: int
     sampling: Sampling = Sampling()
     stop_ids: frozenset[int] = frozenset()
+    replay: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,10 +106,16 @@ class _Seq:
     in_flight: int = 0          # micro-batches holding one of its columns
     ending: bool = False        # finished or abandoned: no more columns; the slot goes once in_flight is 0
     ready_since: int = 0        # core tick when it became ready to decode (oldest first)
+    resumed: bool = False       # re-opened after its chain failed: queued ahead of new requests, past the bound
+
+    def __post_init__(self) -> None:
+        self.ids = (*self.req.prompt_ids, *self.req.replay)    # what is fed before decoding (re)starts
+        self.emitted = len(self.req.replay)
+        self.chunked = len(self.ids)    # ids[:chunked] go in prefill chunks, the rest as decode columns (_Core.enqueue)
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.req.prompt_ids)
+        return self.fed < self.chunked
 
 
 @dataclass
@@ -168,6 +179,11 @@ class _Core:
 
     # admission
     def enqueue(self, seq: _Seq) -> None:
+        seq.chunked = self._chunked(seq)
+        if seq.resumed:     # an answer already under way goes before new requests, whatever the bound
+            at = next((i for i, q in enumerate(self.queue) if not q.resumed), len(self.queue))
+            self.queue.insert(at, seq)
+            return
         if len(self.queue) >= self.max_queue + len(self.free):    # the bound counts only those that must wait
             raise QueueFull(f"all {self.max_seqs} sequence slots are busy and {len(self.queue)} requests wait "
                             f"(the queue holds {self.max_queue}); retry later")
@@ -235,14 +251,35 @@ class _Core:
         cap = max(1, math.ceil(decoding / self.depth))
         return self._decode(ready[:cap])
 
+    def _chunked(self, seq: _Seq) -> int:
+        """How much of a sequence's ids go in prefill chunks: its prompt, and of a replay (`Request.replay`) the
+        whole chunks of `prefill_chunk` columns; the rest of a replay is fed as decode columns.
+
+        A replay must compute what the failed chain computed, bit for bit, or the text after it could differ. Those
+        tokens were decode columns: with a scratch slot, steps of two columns or more (the GEMM), whose sums for a
+        column do not depend on the step's width or its companions (NOTES "Prefill GEMM", "Paged KV cache"). A
+        full chunk of `prefill_chunk` (the engine's bucket, 16) replayed columns runs the GEMM too, unpadded. A
+        shorter run would not always: the engine computes a run of 2-3 columns one matvec column at a time
+        (engine.stage.prefill_chunks), so the rest go as decode columns, the way they went the first time, sharing
+        steps with the other sequences. Without a scratch slot every decode column was a step alone, and so is every
+        replayed one. The prompt keeps its own chunks (cut at multiples of `prefill_chunk` and at its end), so its
+        tail runs the kernels it ran alone."""
+        n, k = len(seq.req.prompt_ids), len(seq.req.replay)
+        return n + (k - k % self.prefill_chunk if self.scratch is not None else 0)
+
     def _prefill(self, seq: _Seq) -> _Batch:
-        ids = seq.req.prompt_ids
+        """The next prefill chunk: the prompt's, cut at multiples of `prefill_chunk` from position 0 as when it is
+        prefilled alone, then whole chunks of a replay (`_chunked`). After the last one, a replay's rest is fed
+        as decode columns (`next_tok` from the replay), a prompt's last column picks the first token."""
+        ids, n = seq.ids, len(seq.req.prompt_ids)
         a = seq.fed
-        b = min(len(ids), a + self.prefill_chunk)
+        b = min(n if a < n else seq.chunked, a + self.prefill_chunk)
         cols = [Column(p, seq.slot, p == len(ids) - 1, ids[p]) for p in range(a, b)]
         seq.fed = b
         seq.in_flight += 1
-        self.prompt_tokens += b - a
+        self.prompt_tokens += max(0, min(b, n) - a)
+        if b == seq.chunked < len(ids):          # the replay's rest goes as decode columns
+            seq.pos, seq.next_tok, seq.ready_since = b, ids[b], self.tick
         return _Batch(cols, [seq] * len(cols), seq.req.sampling, "prefill")
 
     def _decode(self, seqs: list[_Seq]) -> _Batch:
@@ -278,7 +315,10 @@ class _Core:
             if batch.kind == "decode":
                 s.pos += 1
             else:
-                s.pos = len(s.req.prompt_ids)
+                s.pos = len(s.ids)
+            if s.pos < len(s.ids):      # a replayed column: the token it picked is the replay's next one, fed next
+                s.next_tok, s.ready_since = s.ids[s.pos], self.tick
+                continue
             if tok in s.req.stop_ids:
                 s.ending = True
                 out.append((s, None, "stop"))
@@ -305,7 +345,7 @@ class Generation:
         self._sched = sched
         self.request = req
         self.prompt_tokens = len(req.prompt_ids)
-        self.completion_tokens = 0
+        self.completion_tokens = len(req.replay)
         self.finish_reason: FinishReason | None = None
         self.created = time.monotonic()
         self.token_times: list[float] = []    # time.monotonic() when each token was handed over (TTFT, tok/s)
@@ -401,8 +441,10 @@ class Scheduler:
         self._idle = trio.Event()           # set while nothing is queued, active or in flight
 
     # the public face
-    def open(self, req: Request) -> Generation:
-        """Queue a request. Raises ValueError naming what is wrong with it, QueueFull, or SchedulerStopped."""
+    def open(self, req: Request, *, resumed: bool = False) -> Generation:
+        """Queue a request. Raises ValueError naming what is wrong with it, QueueFull, or SchedulerStopped.
+        `resumed`: an answer that was under way on a chain that failed; it waits ahead of new requests and is not
+        refused by the queue's bound (a client that already has part of its answer must get the rest)."""
         if self._stopped is not None:
             raise self._stopped
         n = len(req.prompt_ids)
@@ -413,13 +455,17 @@ class Scheduler:
         if n >= self.max_context:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_context}, so at most "
                              f"{self.max_context - 1} can be prompt")
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_ids):
-            bad = next(t for t in req.prompt_ids if not 0 <= t < self.vocab_size)
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in (*req.prompt_ids, *req.replay)):
+            bad = next(t for t in (*req.prompt_ids, *req.replay) if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if not isinstance(req.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
         # the prompt fills positions [0, n); token k (k >= 1) is fed at n + k - 1, the last one never
         gen = Generation(self, req, min(req.max_tokens, self.max_context - n + 1))
+        if len(req.replay) >= gen._seq.limit:
+            raise ValueError(f"the replay has {len(req.replay)} tokens; the request may generate only "
+                             f"{gen._seq.limit}")
+        gen._seq.resumed = resumed
         if self._core.blocks is not None and self._core.blocks.need(gen._seq) > \
                 self._core.blocks.pool.n_blocks - (self._core.scratch is not None):
             raise ValueError(f"the prompt and max_tokens need {self._core.blocks.need(gen._seq)} KV blocks of "

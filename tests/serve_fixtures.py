@@ -24,8 +24,10 @@ class LiveServer:
     with `wait_formed=False`). `peers` pins each in-process peer to layers (start, end); [] starts none."""
 
     def __init__(self, model: Path, *, peers=((0, None),), api_key: str | None = None, max_seqs: int = 2,
-                 max_queue: int = 2, max_context: int = 256, wait_formed: bool = True, cache_dir: Path | None = None):
+                 max_queue: int = 2, max_context: int = 256, wait_formed: bool = True, cache_dir: Path | None = None,
+                 min_peers: int | None = None):
         self.model, self.peers, self.api_key = model, list(peers), api_key
+        self.min_peers = max(len(self.peers), 1) if min_peers is None else min_peers   # peers of other processes too
         self.max_seqs, self.max_queue, self.max_context = max_seqs, max_queue, max_context
         self.wait_formed, self.cache_dir = wait_formed, cache_dir
         self.port: int | None = None
@@ -76,7 +78,7 @@ class LiveServer:
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self.reg = reg = free_port()
-        cfg = CoordConfig(model=self.model, listen=f"127.0.0.1:{reg}", token=TOKEN, min_peers=max(len(self.peers), 1),
+        cfg = CoordConfig(model=self.model, listen=f"127.0.0.1:{reg}", token=TOKEN, min_peers=self.min_peers,
                           settle=0.2, max_context=self.max_context, n_slots=slots_for(self.max_seqs))
         coord = Coordinator(cfg)
         self.service = Service(coord, max_seqs=self.max_seqs, max_queue=self.max_queue, api_key=self.api_key)

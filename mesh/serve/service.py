@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import trio
@@ -25,7 +26,7 @@ from engine.errors import EngineError
 from mesh.errors import FleetError, HopError, MeshError, SessionError, single_errors
 from mesh.link import LinkError
 from mesh.proto import ProtoError
-from mesh.scheduler import Scheduler, slots_for
+from mesh.scheduler import Scheduler, SchedulerStopped, slots_for
 from transport import TransportError
 from mesh.session import open_session
 
@@ -33,8 +34,9 @@ log = logging.getLogger("mesh.serve")
 REJOIN_SECONDS = 15.0     # how long a re-form waits for the members of the last session to re-join
 RETRY_SECONDS = 5.0       # after a fleet that would not form (a refused peer, a failed load), try again this much later
 IDLE_POLL = 0.5           # while newcomers wait for the scheduler to go idle, look this often
-REFORM_WAIT = 30.0        # an answer whose mesh failed waits this long for the next one before it fails
-ANSWER_RETRIES = 3        # ... and is repeated at most this many times
+REFORM_WAIT = 60.0        # an answer whose mesh failed waits this long for the next one before it fails (a frozen
+                          # peer is noticed in ~5.4 s; the survivors may reload layers and compile)
+ANSWER_RETRIES = 3        # ... and is replayed at most this many times
 
 
 class NoMesh(MeshError):
@@ -42,16 +44,22 @@ class NoMesh(MeshError):
 
 
 class Answer:
-    """One request's tokens, surviving a re-form: if the mesh fails under its Generation, the same request runs again
-    on the next session and the tokens already delivered are skipped. They are the same tokens: greedy and seeded
-    sampling are deterministic and any split of the model gives bitwise the same answer (NOTES "Mesh"), as the chat
-    relies on when it repeats a turn. `async with answer: async for tok in answer: ...`, like a Generation."""
+    """One request's tokens, surviving a re-form: if the mesh fails under its Generation, the request is opened on
+    the next session with the tokens already delivered as its replay (`Request.replay`): the new chain computes
+    the prompt and those tokens as the old one did, bit for bit, and goes on with the next token. No token is
+    generated twice and none is sent twice; greedy and seeded answers are the ones an undisturbed run gives (the
+    sampler keeps no state: a draw depends only on the seed and the position, engine/sampling.py, and any split of
+    the model computes bitwise the same, NOTES "Mesh"). `async with answer: async for tok in answer: ...`, like a
+    Generation."""
 
     def __init__(self, service: "Service", req, sched: Scheduler, gen):
         self.service, self.request, self.scheduler, self.gen = service, req, sched, gen
-        self.delivered = 0
+        self.tokens: list[int] = []     # delivered so far, over every session
         self.retries = 0
-        self._skip = 0
+
+    @property
+    def delivered(self) -> int:
+        return len(self.tokens)
 
     @property
     def finish_reason(self) -> str | None:
@@ -84,28 +92,33 @@ class Answer:
             except MeshError as exc:
                 await self._again(exc)
                 continue
-            if self._skip:
-                self._skip -= 1
-                continue
-            self.delivered += 1
+            self.tokens.append(tok)
             return tok
 
     async def _again(self, exc: MeshError) -> None:
-        """Wait for the next session (bounded) and open the request there; else raise the failure."""
-        if self.retries >= ANSWER_RETRIES:
-            raise exc
-        self.retries += 1
-        log.info("an answer lost its mesh after %d tokens (%s); repeating it on the next one", self.delivered, exc)
-        with trio.move_on_after(REFORM_WAIT):
-            await self.service.wait_state(lambda s: s.scheduler is not None and s.scheduler is not self.scheduler)
-        sched = self.service.scheduler
-        if sched is None or sched is self.scheduler:
-            raise exc
-        gen = sched.open(self.request)          # QueueFull / a MeshError: the answer fails with it
-        await self.gen.__aexit__(None, None, None)
-        self.scheduler, self.gen, self._skip = sched, gen, self.delivered
-        self.service.repeated += 1
-        await gen.__aenter__()
+        """Wait for the next session (bounded) and open the request there with its replay; else raise."""
+        while True:
+            if self.retries >= ANSWER_RETRIES:
+                raise exc
+            self.retries += 1
+            log.info("an answer lost its mesh after %d tokens (%s); replaying it on the next one", self.delivered,
+                     exc)
+            with trio.move_on_after(REFORM_WAIT):
+                await self.service.wait_state(lambda s: s.scheduler is not None and s.scheduler is not self.scheduler)
+            sched = self.service.scheduler
+            if sched is None or sched is self.scheduler:
+                raise exc
+            self.scheduler = sched
+            try:
+                gen = sched.open(replace(self.request, replay=tuple(self.tokens)), resumed=True)
+            except SchedulerStopped as stopped:    # that session ended already: wait for the one after it
+                exc = stopped
+                continue
+            await self.gen.__aexit__(None, None, None)
+            self.gen = gen
+            self.service.repeated += 1
+            await gen.__aenter__()
+            return
 
 
 def stop_ids(tokenizer) -> frozenset[int]:
