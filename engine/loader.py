@@ -6,7 +6,12 @@ the rest of the file, so a peer holding 4 of 30 layers never has the other 26 in
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -15,11 +20,12 @@ from gguf.quants import dequantize as np_dequantize
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.device import Buffer, BufferSpec
 from tinygrad.dtype import _to_np_dtype
+from tinygrad.uop.ops import Ops, shape_to_shape_arg
 from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, ggml_data_to_tensor
 
 from .errors import EngineError, ModelFormatError, RangeError, UnsupportedModel
 from .gguf_meta import GGUFFile, ModelMeta, TensorInfo
-from .quant import DOTS, QuantWeight, concat, interleave_for, repack
+from .quant import DOTS, QuantWeight, concat, interleave_for, repack, resident_shapes
 
 WeightMode = Literal["gguf", "f32", "f16", "q8"]
 WEIGHT_MODES = ("gguf", "f32", "f16", "q8")
@@ -62,23 +68,73 @@ def tensor_info(g: GGUFFile, name: str, shape: tuple[int, ...]) -> TensorInfo:
 def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None,
               into: np.ndarray | None = None) -> np.ndarray:
     """The raw bytes of rows [r0, r1) of one tensor (all rows by default), shaped (rows, bytes per row); read
-    straight into `into` (a C-contiguous uint8 array of that shape) when given."""
+    straight into `into` (a C-contiguous uint8 array of that shape) when given. Inside `reading(g)` the file is
+    opened once for the whole load."""
     n_rows = info.shape[0] if len(info.shape) > 1 else 1
     r1 = n_rows if r1 is None else min(r1, n_rows)
     row_bytes = info.nbytes // n_rows
     # a writable buffer: tinygrad's GPU backends refuse to copy from a read-only one (CUDA: "not writable")
-    raw = memoryview(into).cast("B") if into is not None else bytearray((r1 - r0) * row_bytes)
+    raw = memoryview(into if into is not None else bytearray((r1 - r0) * row_bytes)).cast("B")
     if len(raw) != (r1 - r0) * row_bytes:
         raise ValueError(f"{info.name}: {len(raw)} bytes to read rows [{r0}, {r1}) of {row_bytes} bytes into")
+    held = _OPEN.get()
     try:
-        with open(g.path, "rb") as f:
-            f.seek(info.offset + r0 * row_bytes)
-            got = f.readinto(raw)
+        if held is not None and held[0] == g.path:
+            got = _pread(held[1], raw, info.offset + r0 * row_bytes)
+        else:
+            with open(g.path, "rb") as f:
+                f.seek(info.offset + r0 * row_bytes)
+                got = f.readinto(raw)
     except OSError as e:
         raise ModelFormatError(f"{g.path}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
     if got != len(raw):
         raise ModelFormatError(f"{g.path}: truncated while reading tensor {info.name!r}")
-    return into if into is not None else np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, row_bytes)
+    return into if into is not None else np.frombuffer(raw.obj, dtype=np.uint8).reshape(r1 - r0, row_bytes)
+
+
+def _pread(fd: int, buf: memoryview, offset: int) -> int:
+    """Read into all of buf from offset (a read may return less than asked: Linux caps one at ~2 GiB)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+_OPEN: ContextVar[tuple[Path, int] | None] = ContextVar("mesh_open_gguf", default=None)
+_SCRATCH: ContextVar[list | None] = ContextVar("mesh_load_scratch", default=None)
+
+
+@contextmanager
+def reading(g: GGUFFile) -> Iterator[None]:
+    """One stage's load: the file opened once (a positioned read per tensor or chunk, not an open each) and one
+    reused host buffer for the raw rows that are regrouped on their way to the device (`scratch`), dropped at the
+    end so that it does not stay resident."""
+    try:
+        fd = os.open(g.path, os.O_RDONLY)
+    except OSError as e:
+        raise ModelFormatError(f"{g.path}: cannot open ({e.strerror or e})") from None
+    tokens = _OPEN.set((g.path, fd)), _SCRATCH.set([np.empty(0, np.uint8)])
+    try:
+        yield
+    finally:
+        _OPEN.reset(tokens[0])
+        _SCRATCH.reset(tokens[1])
+        os.close(fd)
+
+
+def scratch(shape: tuple[int, int]) -> np.ndarray:
+    """An uninitialized uint8 host array of `shape`, from the load's reused buffer inside `reading` (its pages are
+    touched once, not once per tensor), a new one outside it. Valid until the next call."""
+    n = shape[0] * shape[1]
+    held = _SCRATCH.get()
+    if held is None:
+        return np.empty(shape, np.uint8)
+    if held[0].nbytes < n:
+        held[0] = np.empty(n, np.uint8)
+    return held[0][:n].reshape(shape)
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -178,26 +234,29 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
     if mode == "gguf" and len(info.shape) == 2:
         if info.ggml_type in DOTS:
             return _load_blocks(g, info, rope_heads)
-        if info.ggml_type in _FLOAT_TYPES:
-            rows = read_rows(g, info)
-            rows = unpermute_rope_rows(rows, rope_heads) if rope_heads else rows
-            t = Tensor(rows.view(_to_np_dtype(dtypes.uint16 if info.ggml_type == GGMLQuantizationType.BF16
-                                               else _FLOAT_TYPES[info.ggml_type])).reshape(info.shape))
-            if info.ggml_type == GGMLQuantizationType.BF16:
-                t = t.bitcast(dtypes.bfloat16)
-            return Weight(t.contiguous().realize(), info.shape)
+        if info.ggml_type in _FLOAT_TYPES:  # kept as they are: the file's bytes copied in, no kernel
+            t = device_empty(info.shape, _FLOAT_TYPES[info.ggml_type])
+            rows = read_rows(g, info, into=scratch((info.shape[0], info.nbytes // info.shape[0])))
+            write_bytes(t, unpermute_rope_rows(rows, rope_heads) if rope_heads else rows)
+            return Weight(t, info.shape)
         mode = "q8"
     if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
         whole = unpermute_rope_rows(read_rows(g, info), rope_heads) if rope_heads else None
         return _load_q8(g, info, whole)
+    if len(info.shape) == 1 and info.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        # norms and biases, f32 on the device: read (and widened) on the host and copied in, no kernel to schedule
+        t = device_empty(info.shape, dtypes.float32)
+        view = host_view(t)
+        if info.ggml_type == GGMLQuantizationType.F32 and view is not None and not rope_heads:
+            read_rows(g, info, into=view.view(np.uint8).reshape(1, -1))  # straight into the device's memory
+            return Weight(t, info.shape)
+        rows = read_rows(g, info, into=scratch((1, info.nbytes)))
+        rows = unpermute_rope_rows(rows.reshape(info.shape[0], -1), rope_heads) if rope_heads else rows
+        write_into(t, rows.view(_to_np_dtype(_FLOAT_TYPES[info.ggml_type])).astype(np.float32).reshape(info.shape))
+        return Weight(t, info.shape)
     rows = read_rows(g, info)
     if rope_heads:
         rows = unpermute_rope_rows(rows, rope_heads)
-    if len(info.shape) == 1 and info.ggml_type in _FLOAT_TYPES and info.ggml_type != GGMLQuantizationType.BF16:
-        # norms and biases: converted on the host and copied in, with no kernel to schedule during the load
-        host = rows.view(_to_np_dtype(_FLOAT_TYPES[info.ggml_type])).astype(np.float32).reshape(info.shape)
-        write_into(t := device_empty(info.shape, dtypes.float32), host)
-        return Weight(t, info.shape)
     raw = Tensor(rows)
     n = int(np.prod(info.shape))
     dense = ggml_data_to_tensor(raw.flatten(), n, info.ggml_type).reshape(info.shape)
@@ -210,20 +269,24 @@ BLOCK_CHUNK_ROWS = 4096  # rows regrouped at a time: bounds the host copy of a l
 
 
 def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int, whole: np.ndarray | None = None) -> Weight:
-    """Resident GGUF blocks, written chunk by chunk straight into their device buffers (from `whole`, raw rows
-    already read, when given)."""
+    """Resident GGUF blocks (from `whole`, raw rows already read, when given), regrouped chunk by chunk: on the CPU
+    straight into the device buffers' memory, elsewhere through a host array and a raw copy."""
     n_rows, cols = info.shape if whole is None else (whole.shape[0], info.shape[1])
     il = interleave_for(n_rows)
     if whole is None and rope_heads:
         whole = unpermute_rope_rows(read_rows(g, info), rope_heads)
+    rest_shape, halfs_shape = resident_shapes(info.ggml_type, n_rows, cols, il)
+    rest, halfs = device_empty(rest_shape, dtypes.uint8), device_empty(halfs_shape, dtypes.float16)
+    views = host_view(rest), host_view(halfs)
+    row_bytes = info.nbytes // info.shape[0]
     step = max(il, BLOCK_CHUNK_ROWS - BLOCK_CHUNK_ROWS % il)
-    rest = halfs = None
     for r0 in range(0, n_rows, step):
-        part = whole[r0:r0 + step] if whole is not None else read_rows(g, info, r0, r0 + step)
+        r1 = min(n_rows, r0 + step)
+        part = whole[r0:r1] if whole is not None else read_rows(g, info, r0, r1, into=scratch((r1 - r0, row_bytes)))
+        if views[0] is not None and views[1] is not None:
+            repack(part, info.ggml_type, il, out=(views[0][r0 // il:r1 // il], views[1][r0 // il:r1 // il]))
+            continue
         p_rest, p_halfs = repack(part, info.ggml_type, il)
-        if rest is None:
-            rest = device_empty((n_rows // il, *p_rest.shape[1:]), dtypes.uint8)
-            halfs = device_empty((n_rows // il, *p_halfs.shape[1:]), dtypes.float16)
         write_into(rest, p_rest, r0 // il * p_rest[0].nbytes)
         write_into(halfs, p_halfs, r0 // il * p_halfs[0].nbytes)
     return Weight(None, (n_rows, cols), quant=QuantWeight(rest, halfs, (n_rows, cols), info.ggml_type))
@@ -238,7 +301,7 @@ def load_fused(g: GGUFFile, parts: list[tuple[TensorInfo, int]], mode: WeightMod
                              for i, _ in parts) or first.ggml_type not in DOTS:
         return None
     # each part read straight into its rows of one array (un-permuted on the way for q/k): one copy fewer
-    raw = np.empty((sum(i.shape[0] for i, _ in parts), first.nbytes // first.shape[0]), np.uint8)
+    raw = scratch((sum(i.shape[0] for i, _ in parts), first.nbytes // first.shape[0]))
     r = 0
     for info, h in parts:
         dst = raw[r:r + info.shape[0]]
@@ -259,7 +322,27 @@ def device_empty(shape: tuple[int, ...], dtype) -> Tensor:
     SmolLM2 stage's load)."""
     buf = UOp.new_buffer(Device.DEFAULT, math.prod(shape), dtype)
     buf.buffer.ensure_allocated()
-    return Tensor(buf.reshape(tuple(shape)))
+    return Tensor(_shaped(buf, shape))
+
+
+def _shaped(buf: UOp, shape: tuple[int, ...]) -> UOp:
+    """buf.reshape(shape) without the symbolic simplification of the new shape (constant ints need none: the same
+    UOp either way, checked in tests), which was ~70 us of a ~150 us tensor, ~100-200 of them a stage."""
+    shape = tuple(int(d) for d in shape)
+    return buf if shape == (buf.size,) else UOp(Ops.RESHAPE, src=(buf, shape_to_shape_arg(shape)))
+
+
+def host_view(t: Tensor) -> np.ndarray | None:
+    """A realized CPU tensor's memory as a writable numpy array of its shape, for filling it without a copy through
+    another host buffer; None on devices whose memory the host cannot address (or not yet allocated)."""
+    buf = t.uop.buffer
+    if buf.device.split(":")[0] != "CPU" or not buf.is_allocated():
+        return None
+    alloc = Device[buf.device].allocator
+    if not hasattr(alloc, "_as_buffer"):
+        return None
+    Device[buf.device].synchronize()  # as the allocator's own copies do: nothing queued may still use the memory
+    return np.frombuffer(alloc._as_buffer(buf._buf), _to_np_dtype(t.dtype), math.prod(t.shape)).reshape(t.shape)
 
 
 # allocators whose BufferSpec(zero=True) memory reads as zeros: CPU maps fresh anonymous pages (kept out of the
@@ -276,7 +359,7 @@ def device_zeros(shape: tuple[int, ...], dtype) -> Tensor:
         zero_rows(t, 0, shape[0])
         return t
     buf = Buffer(dev, math.prod(shape), dtype, options=BufferSpec(zero=True)).ensure_allocated()
-    return Tensor(UOp.from_buffer(buf).reshape(tuple(shape)))
+    return Tensor(_shaped(UOp.from_buffer(buf), shape))
 
 
 def write_into(t: Tensor, a: np.ndarray, offset: int = 0) -> None:
@@ -289,6 +372,16 @@ def write_into(t: Tensor, a: np.ndarray, offset: int = 0) -> None:
         raise ValueError(f"write of {len(mv)} bytes at {offset} overruns a {buf.nbytes}-byte buffer")
     dest = buf._buf if offset == 0 and len(mv) == buf.nbytes else alloc._offset(buf._buf, len(mv), offset)
     alloc._copyin(dest, mv)
+
+
+def write_bytes(t: Tensor, a: np.ndarray) -> None:
+    """Copy a host array's raw bytes (as many as the tensor holds) into a realized device tensor of any dtype
+    (bfloat16 has no numpy type to convert to)."""
+    buf = t.uop.buffer
+    mv = memoryview(np.ascontiguousarray(a)).cast("B")
+    if len(mv) != buf.nbytes:
+        raise ValueError(f"{len(mv)} bytes for a {buf.nbytes}-byte buffer")
+    Device[buf.device].allocator._copyin(buf._buf, mv)
 
 
 _ZEROS = np.zeros(1 << 20, np.uint8)  # a MiB of zeros, the source of every zero_rows copy

@@ -225,23 +225,35 @@ def _rest_runs(ggml_type: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def repack(raw: np.ndarray, ggml_type: int, il: int) -> tuple[np.ndarray, np.ndarray]:
+def resident_shapes(ggml_type: int, rows: int, cols: int, il: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes `repack` gives a (rows, cols) weight: bytes (rows/il, blocks, rest, il), halfs (rows/il, blocks,
+    n, il)."""
+    nb = cols // GGML_QUANT_SIZES[Q(ggml_type)][0]
+    return (rows // il, nb, sum(b - a for a, b in _rest_runs(ggml_type)), il), \
+        (rows // il, nb, len(HALF_FIELDS[ggml_type]), il)
+
+
+def repack(raw: np.ndarray, ggml_type: int, il: int,
+           out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Raw GGUF rows (rows, row_bytes) -> (bytes (rows/il, blocks, rest, il) uint8, halfs (rows/il, blocks, n, il)
-    float16): the same bytes, regrouped. Each run of kept bytes and each float16 field goes in one strided copy
-    straight into its place (a boolean-mask gather and a transposed copy took 3-12x longer: 28 -> 2.4 ms for a
-    3072-row Q6_K matrix)."""
+    float16): the same bytes, regrouped, into `out` when given (the device's memory on the CPU). Each run of kept
+    bytes and each float16 field goes in one strided copy straight into its place (a boolean-mask gather and a
+    transposed copy took 3-12x longer: 28 -> 2.4 ms for a 3072-row Q6_K matrix)."""
     rows, row_bytes = raw.shape
     bb = GGML_QUANT_SIZES[Q(ggml_type)][1]
     nb = row_bytes // bb
     blocks = raw.reshape(rows // il, il, nb, bb)
     runs = _rest_runs(ggml_type)
-    rest = np.empty((rows // il, nb, sum(b - a for a, b in runs), il), np.uint8)
+    fields = HALF_FIELDS[ggml_type]
+    if out is None:
+        rest = np.empty((rows // il, nb, sum(b - a for a, b in runs), il), np.uint8)
+        halfs = np.empty((rows // il, nb, len(fields), il), np.float16)
+    else:
+        rest, halfs = out
     d = 0
     for a, b in runs:
         rest[:, :, d:d + b - a, :] = blocks[:, :, :, a:b].transpose(0, 2, 3, 1)
         d += b - a
-    fields = HALF_FIELDS[ggml_type]
-    halfs = np.empty((rows // il, nb, len(fields), il), np.float16)
     for i, off in enumerate(fields):
         halfs[:, :, i, :] = blocks[..., off:off + 2].view(np.float16)[..., 0].transpose(0, 2, 1)
     return rest, halfs

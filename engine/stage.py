@@ -16,7 +16,7 @@ from tinygrad.dtype import _to_np_dtype
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
-                     device_empty, free_device_cache, load_fused, load_weight, tensor_info, write_into)
+                     device_empty, free_device_cache, load_fused, load_weight, reading, tensor_info, write_into)
 from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
 from .model import Block, Group, Head, KVPages, make_block, rope_inputs
 from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
@@ -178,49 +178,52 @@ class Stage:
         }
         # llama GGUFs store q/k rows permuted for adjacent-pair rope; undo it so one half-split rope serves all
         rope_heads = {} if meta.rope_neox else {"attn_q.weight": H, "attn_k.weight": KvH, "attn_q.bias": H, "attn_k.bias": KvH}
-        weight_bytes = 0
-        blocks = []
-        # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
-        groups = [("attn_qkv.weight", ["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
-                  ("attn_qkv.bias", ["attn_q.bias", "attn_k.bias", "attn_v.bias"]),
-                  ("ffn_gate_up.weight", ["ffn_gate.weight", "ffn_up.weight"])]
-        for layer in range(start, end):
-            names = block_tensor_names(meta, layer)
-            ws = {}
-            for fused_name, members in groups:
-                if not all(m in names for m in members):
-                    continue
-                parts = [(tensor_info(g, names[m], shapes[m]), rope_heads.get(m, 0)) for m in members]
-                if (fused := load_fused(g, parts, weights)) is None:  # apart, then joined on the device if they can be
-                    loaded = [load_weight(g, info, weights, rope_heads=h) for info, h in parts]
-                    fused = concat_rows(loaded)
-                    if fused is None:
-                        ws.update(zip(members, loaded))
-                        weight_bytes += sum(w.nbytes for w in loaded)
+        with reading(g):  # one open file and one reused host buffer for the whole range
+            weight_bytes = 0
+            blocks = []
+            # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
+            groups = [("attn_qkv.weight", ["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
+                      ("attn_qkv.bias", ["attn_q.bias", "attn_k.bias", "attn_v.bias"]),
+                      ("ffn_gate_up.weight", ["ffn_gate.weight", "ffn_up.weight"])]
+            for layer in range(start, end):
+                names = block_tensor_names(meta, layer)
+                ws = {}
+                for fused_name, members in groups:
+                    if not all(m in names for m in members):
                         continue
-                ws[fused_name] = fused
-                weight_bytes += fused.nbytes
-            for short, full in names.items():
-                if short not in ws and not any(short in members and fused_name in ws for fused_name, members in groups):
-                    info = tensor_info(g, full, shapes[short])
-                    ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
-                    weight_bytes += ws[short].nbytes
-            blocks.append(make_block(meta, layer, ws, n_slots=n_slots, max_context=max_context,
-                                     kv_dtype=_KV_DTYPES[kv_dtype], pages=pages))
-        embed = head = out = None
-        if last:
-            out_name = "token_embd.weight" if meta.tied_output else "output.weight"
-            norm = load_weight(g, tensor_info(g, "output_norm.weight", (D,)), weights)
-            out = load_weight(g, tensor_info(g, out_name, (meta.vocab_size, D)), weights)
-            weight_bytes += norm.nbytes + out.nbytes
-            head = Head(norm, out, meta.norm_eps)
-        if first:
-            # a stage holding both ends of a tied model looks its embeddings up in the head's resident blocks: the
-            # tensor is held once, as in the file
-            shared = out.quant if out is not None and meta.tied_output else None
-            embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared,
-                                   scale=meta.embed_scale)
-            weight_bytes += embed.nbytes
+                    parts = [(tensor_info(g, names[m], shapes[m]), rope_heads.get(m, 0)) for m in members]
+                    # apart, then joined on the device if they can be
+                    if (fused := load_fused(g, parts, weights)) is None:
+                        loaded = [load_weight(g, info, weights, rope_heads=h) for info, h in parts]
+                        fused = concat_rows(loaded)
+                        if fused is None:
+                            ws.update(zip(members, loaded))
+                            weight_bytes += sum(w.nbytes for w in loaded)
+                            continue
+                    ws[fused_name] = fused
+                    weight_bytes += fused.nbytes
+                for short, full in names.items():
+                    if short not in ws and not any(short in members and fused_name in ws
+                                                   for fused_name, members in groups):
+                        info = tensor_info(g, full, shapes[short])
+                        ws[short] = load_weight(g, info, weights, rope_heads=rope_heads.get(short, 0))
+                        weight_bytes += ws[short].nbytes
+                blocks.append(make_block(meta, layer, ws, n_slots=n_slots, max_context=max_context,
+                                         kv_dtype=_KV_DTYPES[kv_dtype], pages=pages))
+            embed = head = out = None
+            if last:
+                out_name = "token_embd.weight" if meta.tied_output else "output.weight"
+                norm = load_weight(g, tensor_info(g, "output_norm.weight", (D,)), weights)
+                out = load_weight(g, tensor_info(g, out_name, (meta.vocab_size, D)), weights)
+                weight_bytes += norm.nbytes + out.nbytes
+                head = Head(norm, out, meta.norm_eps)
+            if first:
+                # a stage holding both ends of a tied model looks its embeddings up in the head's resident blocks: the
+                # tensor is held once, as in the file
+                shared = out.quant if out is not None and meta.tied_output else None
+                embed = EmbeddingTable(g, tensor_info(g, "token_embd.weight", (meta.vocab_size, D)), shared=shared,
+                                       scale=meta.embed_scale)
+                weight_bytes += embed.nbytes
         _release_freed_memory()
         stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
                     weight_bytes=weight_bytes, pages=pages, use_jit=jit)
