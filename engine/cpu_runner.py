@@ -39,12 +39,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from tinygrad import Device, UOp, dtypes
-from tinygrad.codegen import do_to_program
 from tinygrad.dtype import AddrSpace
 from tinygrad.helpers import NUM_CPU_THREADS, Context
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.runtime.ops_cpu import CPUProgram
 from tinygrad.uop.ops import KernelInfo, Ops
+
+from .program_cache import compiled
 
 # an entry: wait counter, wait value, claim counter, done counter, slices, function, core argument, arguments...
 HEAD = 7
@@ -99,7 +100,8 @@ def _programs(width: int) -> tuple[CPUProgram, CPUProgram]:
     dev = Device["CPU"]
     with Context(EMULATED_DTYPES="", TRACK_MATCH_STATS=0):
         clang = ClangRenderer(replace(dev.renderer.target, renderer="CLANG"))
-        compile_ = lambda sink: CPUProgram(dev, do_to_program(sink, clang).to_elf())  # noqa: E731
+        # compiled once per machine, not once per process (engine/program_cache.py)
+        compile_ = lambda sink: CPUProgram(dev, compiled(sink, clang).to_elf())  # noqa: E731
         runner = compile_(_runner_prog(width).sink(arg=KernelInfo(f"step_runner_{width}"), tag=1))
         noop = compile_(UOp.sink(arg=KernelInfo("step_noop"), tag=1))
     return runner, noop

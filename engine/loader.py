@@ -329,7 +329,7 @@ def _shaped(buf: UOp, shape: tuple[int, ...]) -> UOp:
     """buf.reshape(shape) without the symbolic simplification of the new shape (constant ints need none: the same
     UOp either way, checked in tests), which was ~70 us of a ~150 us tensor, ~100-200 of them a stage."""
     shape = tuple(int(d) for d in shape)
-    return buf if shape == (buf.size,) else UOp(Ops.RESHAPE, src=(buf, shape_to_shape_arg(shape)))
+    return buf if shape == buf.shape else UOp(Ops.RESHAPE, src=(buf, shape_to_shape_arg(shape)))
 
 
 def host_view(t: Tensor) -> np.ndarray | None:

@@ -16,6 +16,7 @@ MESH_CACHE_DIR moves it (default ~/.cache/mesh).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -23,11 +24,11 @@ import pickle
 import tempfile
 from pathlib import Path
 
-from tinygrad.codegen import to_program_cache
+from tinygrad.codegen import to_program, to_program_cache, to_program_key
 from tinygrad.helpers import ContextVar
 from tinygrad.uop.ops import Ops, UOp
 
-__all__ = ["cache_path", "code_identity", "load_programs", "read_blob", "save_programs", "write_blob"]
+__all__ = ["cache_path", "code_identity", "compiled", "load_programs", "read_blob", "save_programs", "write_blob"]
 
 MAGIC = b"meshprg1"
 _VERSION = importlib.metadata.version("tinygrad")
@@ -44,26 +45,37 @@ def cache_path(*identity) -> Path:
     return root / "programs" / f"{name}.bin"
 
 
+# engine modules that build no part of a step's kernels (host-side process plumbing, text, files): an edit to one
+# of them keeps every step template. Any other module counts, new ones included, so a forgotten file costs a
+# recompile, never a stale template.
+_NOT_KERNELS = frozenset({"worker.py", "worker_main.py", "worker_proto.py", "worker_records.py", "arena.py",
+                          "tokenizer.py", "tokenizer_spm.py", "chat.py", "sources.py", "gguf_range.py", "sampling.py",
+                          "errors.py", "platform.py", "__init__.py"})
+
+
+@functools.cache
 def _engine_source_hash() -> str:
+    """A hash of the engine's kernel-building source, read once per process (the code it runs is the code it
+    imported)."""
     h = hashlib.sha256()
     for f in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        if f.name not in _NOT_KERNELS:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
 def code_identity() -> tuple:
     """What decides the kernels a step runs besides its shapes: tinygrad's version and settings (every ContextVar:
-    BEAM, NOOPT, thread counts...), the engine's own source and its MESH_* settings. Part of every step-template
-    key (engine/shared_layers.py), so a changed kernel or setting is a miss, never a stale hit."""
-    global _CODE
-    if _CODE is None:
-        _CODE = (_VERSION, _engine_source_hash(),
-                 tuple(sorted((k, repr(v.value)) for k, v in ContextVar._cache.items())),
-                 tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MESH_") and k != "MESH_CACHE_DIR")))
-    return _CODE
+    BEAM, NOOPT, thread counts...), the engine's own kernel-building source and its MESH_* settings. Part of every
+    step-template key (engine/shared_layers.py), so a changed kernel or setting is a miss, never a stale hit. The
+    settings are read on every call: a variable changed inside one process (tests do) gets its own templates."""
+    return (_VERSION, _engine_source_hash(),
+            tuple(sorted((k, repr(v.value)) for k, v in ContextVar._cache.items())),
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MESH_") and k not in _NOT_SETTINGS)))
 
 
-_CODE: tuple | None = None
+# variables that place files or switch caches, never kernels
+_NOT_SETTINGS = frozenset({"MESH_CACHE_DIR", "MESH_PROGRAM_CACHE", "MESH_HEADER_CACHE"})
 
 
 def write_blob(path: Path, obj) -> bool:
@@ -112,6 +124,24 @@ def load_programs(path: Path) -> set[tuple]:
     for key, prg in entries:
         to_program_cache.setdefault(key, prg)
     return {k for k, _ in entries}
+
+
+def compiled(sink: UOp, renderer) -> UOp:
+    """tinygrad's `to_program` with the result also kept on disk, one file per program: for the helper kernels a
+    process compiles for itself (engine/cpu_runner.py's step runner, ~0.1-0.2 s each, every start). Keyed by
+    tinygrad's own program key (the AST's content hash, the renderer and its target, the codegen settings): a
+    changed kernel is a miss."""
+    key = to_program_key(sink, renderer)
+    if (prg := to_program_cache.get(key)) is not None or not enabled():
+        return prg if prg is not None else to_program(sink, renderer)
+    path = cache_path("program", repr(key))
+    got = read_blob(path)
+    if isinstance(got, tuple) and len(got) == 2 and got[0] == key and _valid(*got):
+        to_program_cache[key] = got[1]
+        return got[1]
+    prg = to_program(sink, renderer)
+    write_blob(path, (key, prg))
+    return prg
 
 
 def _programs(linear: UOp) -> set[UOp]:

@@ -138,6 +138,39 @@ def test_programs_come_back_from_disk_and_a_corrupt_file_is_ignored(model, tmp_p
     assert program_cache.load_programs(path) == third._programs_on_disk != set()  # and the file rewritten
 
 
+def test_helper_programs_are_compiled_once_per_machine(tmp_path, monkeypatch):
+    """engine/cpu_runner.py's step runner is compiled by tinygrad in every process; `compiled` keeps it on disk."""
+    from dataclasses import replace
+
+    from tinygrad import Device, UOp
+    from tinygrad.codegen import to_program_cache
+    from tinygrad.renderer.cstyle import ClangRenderer
+    from tinygrad.uop.ops import KernelInfo
+
+    from engine import program_cache
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    clang = ClangRenderer(replace(Device["CPU"].renderer.target, renderer="CLANG"))  # as cpu_runner compiles
+    sink = UOp.sink(arg=KernelInfo("mesh_test_noop"), tag=1)
+    key = program_cache.to_program_key(sink, clang)
+    to_program_cache.pop(key, None)
+    first = program_cache.compiled(sink, clang)
+    assert to_program_cache.pop(key) is first and len(list((tmp_path / "programs").iterdir())) == 1
+    monkeypatch.setattr(program_cache, "to_program", lambda *a: pytest.fail("compiled again"))
+    again = program_cache.compiled(sink, clang)  # as in a fresh process: from the disk
+    assert again.src[-1].arg == first.src[-1].arg and to_program_cache[key] is again
+    to_program_cache.pop(key)
+
+
+def test_the_template_key_follows_settings_changed_inside_a_process(monkeypatch):
+    from engine.program_cache import code_identity
+    before = code_identity()
+    monkeypatch.setenv("MESH_TEST_KERNEL_SETTING", "1")  # any MESH_* variable may steer a kernel
+    assert code_identity() != before
+    monkeypatch.delenv("MESH_TEST_KERNEL_SETTING")
+    monkeypatch.setenv("MESH_CACHE_DIR", "/elsewhere")  # where files go is not how kernels are made
+    assert code_identity() == before
+
+
 # ---- step templates on disk (engine/shared_layers.py Template, kept by Stage._capture)
 
 @pytest.fixture
