@@ -402,8 +402,9 @@ def _cached(key: tuple) -> GGUFFile | None:
         blob = _header_file(key).read_bytes()
     except OSError:
         return None
-    body = blob[len(_HEADER_MAGIC) + 32:]
-    if blob[:len(_HEADER_MAGIC)] != _HEADER_MAGIC or hashlib.sha256(body).digest() != blob[len(_HEADER_MAGIC):][:32]:
+    body = memoryview(blob)[len(_HEADER_MAGIC) + 32:]
+    m = len(_HEADER_MAGIC)
+    if blob[:m] != _HEADER_MAGIC or hashlib.sha256(body).digest() != blob[m:m + 32]:
         return None
     try:
         stored_key, layout, g = pickle.loads(body)
@@ -411,19 +412,27 @@ def _cached(key: tuple) -> GGUFFile | None:
         return None
     if stored_key != key or layout != _LAYOUT or not isinstance(g, GGUFFile):
         return None  # the file at this path changed since
-    _MEMO[key] = g
+    _remember_here(key, g)
     return g
 
 
-def _remember(key: tuple, g: GGUFFile) -> None:
+def _remember_here(key: tuple, g: GGUFFile) -> None:
+    if len(_MEMO) >= 32:  # a long-lived process that sees many files keeps the latest few
+        del _MEMO[next(iter(_MEMO))]
     _MEMO[key] = g
+
+
+def _remember(key: tuple, g: GGUFFile) -> None:
+    _remember_here(key, g)
     body = pickle.dumps((key, _LAYOUT, g), protocol=pickle.HIGHEST_PROTOCOL)
     path = _header_file(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER_MAGIC + hashlib.sha256(body).digest() + body)
+            f.write(_HEADER_MAGIC)
+            f.write(hashlib.sha256(body).digest())
+            f.write(body)
         os.replace(tmp, path)  # a reader sees the old file or the new one
     except OSError:
         pass  # a cache that cannot be written is only slower

@@ -85,8 +85,10 @@ def write_blob(path: Path, obj) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        with os.fdopen(fd, "wb") as f:  # in three writes: joined, the payload would be copied once more (MBs)
+            f.write(MAGIC)
+            f.write(hashlib.sha256(body).digest())
+            f.write(body)
         os.replace(tmp, path)
     except OSError:
         return False
@@ -99,8 +101,8 @@ def read_blob(path: Path):
         blob = path.read_bytes()
     except OSError:
         return None
-    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body := blob[len(MAGIC) + 32:]).digest() != \
-            blob[len(MAGIC):len(MAGIC) + 32]:
+    body = memoryview(blob)[len(MAGIC) + 32:]  # not a slice of the bytes: that would copy the payload
+    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != blob[len(MAGIC):len(MAGIC) + 32]:
         return None
     try:
         data = pickle.loads(body)
