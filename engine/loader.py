@@ -5,6 +5,7 @@ the rest of the file, so a peer holding 4 of 30 layers never has the other 26 in
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -329,7 +330,12 @@ def _shaped(buf: UOp, shape: tuple[int, ...]) -> UOp:
     """buf.reshape(shape) without the symbolic simplification of the new shape (constant ints need none: the same
     UOp either way, checked in tests), which was ~70 us of a ~150 us tensor, ~100-200 of them a stage."""
     shape = tuple(int(d) for d in shape)
-    return buf if shape == buf.shape else UOp(Ops.RESHAPE, src=(buf, shape_to_shape_arg(shape)))
+    return buf if shape == buf.shape else UOp(Ops.RESHAPE, src=(buf, _shape_arg(shape)))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_arg(shape: tuple[int, ...]) -> UOp:  # UOps are hash-consed: the same shape is the same UOp
+    return shape_to_shape_arg(shape)
 
 
 def host_view(t: Tensor) -> np.ndarray | None:
