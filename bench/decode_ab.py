@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--positions", default="32,512", help="context lengths the steps are timed at (a slot each)")
+    ap.add_argument("--greedy", action="store_true", help="time Stage.step (a greedy token out, picked on the device "
+                    "where MESH_DEVICE_ARGMAX allows) instead of step_logits (the logits out)")
     a = ap.parse_args()
     os.environ["MESH_PROGRAM_CACHE"] = "0"  # step templates on disk are keyed once per process: build each anew
     import numpy as np
@@ -69,12 +71,15 @@ def main() -> None:
     print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
     for slot, p in enumerate(positions):  # slot i holds a context of positions[i] tokens
         stage.step([Column(i, slot, i == p - 1, 1 + i % 1000) for i in range(p)])
-    state, logits = {}, {}
+    state, logits, on_device = {}, {}, {}
+    run = stage.step if a.greedy else stage.step_logits
     for name, settings in variants.items():  # each variant's decode shape captured (and run once)
         apply(settings, defaults)
         stage._jits, stage._inputs, stage._replays = {}, {}, {}
+        on_device[name] = Device.DEFAULT != "CPU" and os.environ.get("MESH_DEVICE_ARGMAX", "1") != "0"
+        stage.greedy_on_device = on_device[name]
         t = time.perf_counter()
-        stage.step_logits([Column(positions[0], 0, True, 7)])
+        run([Column(positions[0], 0, True, 7)])
         print(f"variant {name} {settings or '(defaults)'}: captured in {time.perf_counter() - t:.1f} s", flush=True)
         state[name] = (stage._jits, stage._inputs, stage._replays)
     # every step rewrites the same position of its slot (a step may start below a slot's length), so each variant
@@ -83,14 +88,17 @@ def main() -> None:
     for r in range(a.rounds):
         for name in variants:
             stage._jits, stage._inputs, stage._replays = state[name]
+            stage.greedy_on_device = on_device[name]
+            apply(variants[name], defaults)  # settings read per step (MESH_GPU_ROPE_WRITE)
             for slot, p in enumerate(positions):
                 for i in range(a.steps):
                     t = time.perf_counter()
-                    stage.step_logits([Column(p, slot, True, 7 + i)])
+                    run([Column(p, slot, True, 7 + i)])
                     times[(name, p)].append(time.perf_counter() - t)
         Device[Device.DEFAULT].synchronize()
     for name in variants:  # the same position and token for every variant
         stage._jits, stage._inputs, stage._replays = state[name]
+        apply(variants[name], defaults)
         logits[name] = stage.step_logits([Column(positions[0], 0, True, 5)])
     first = next(iter(variants))
     for name in variants:

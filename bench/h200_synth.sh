@@ -20,6 +20,10 @@
 #   bench/h200_synth.sh variants  a fresh machine: decode-step variants side by side (bench/decode_ab.py)
 #   bench/h200_synth.sh depth  a fresh machine: engine and llama.cpp at contexts 0-64 and 512 (see the phase)
 #   bench/h200_synth.sh engine-depth  a fresh machine: the engine alone at contexts 16-80, 32 and 512, tests on CUDA
+#   bench/h200_synth.sh s4     a fresh machine: GPU tests, bench/decode_ab.py --greedy A/B of $VARIANTS on the 8B files,
+#                              the engine bench, llama-bench tg64 at depths 0 and 512 (built in the background, niced)
+#   bench/h200_synth.sh team   a fresh machine: GPU tests, bench/mesh_bench.py and bench/serve_bench.py on $TFILE
+#                              (carry .snap with .wx: the mesh's wheels the image lacks), then the engine on $PFILES
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -37,7 +41,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth or final}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -45,9 +49,9 @@ left() { echo $((${BUDGET:-560} - ($(date +%s) - T0))); }
 M=/tmp/m; mkdir -p $M
 FILES=${FILES:-"1.1b-Q8_0 1.1b-Q4_0 8b-Q8_0 8b-Q4_0"}
 
-if [ ! -f /tmp/site/.done ]; then
+if [ ! -f /tmp/site/.done ]; then  # .wx: the mesh's own dependencies the image lacks (trio, cryptography...), for `team`
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.done || exit 1
+    $(ls .wx/*.whl 2>/dev/null) && touch /tmp/site/.done || exit 1
 fi
 
 engine() {  # engine <file> <log name> [layout]
@@ -272,6 +276,60 @@ engine-depth)  # a fresh machine, the engine alone (no llama.cpp: take its figur
     decode_ab_depths $f
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s4)  # fourth session, a fresh machine: llama.cpp built in the background (niced), the 8B files written, the GPU
+  # kernel tests on CUDA, then per 8B file bench/decode_ab.py --greedy with $VARIANTS (the step's new parts switched
+  # off one by one), the engine bench, and llama-bench (tg64 at depth 0 and 512) once built
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 19 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j10 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 170 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_attention_gpu.py \
+    tests/test_device_greedy.py tests/test_kv_paging.py tests/test_matvec_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -12 | tee "$OUT/pytest_cuda.txt"
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip $f: no time"; continue; }; [ "$lim" -gt 170 ] && lim=170
+    echo "== decode_ab $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --greedy $(for v in $VARIANTS; do echo "--variant $v"; done) \
+      --rounds ${ROUNDS:-3} --steps ${STEPS:-20} --positions 32,512 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do engine $f engine.txt; done
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 100 ]; do sleep 5; done
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    [ "$(cat /tmp/lc.rc 2>/dev/null)" = 0 ] && [ "$(left)" -gt 50 ] && { echo "== llama-bench $f"; timeout 80 \
+      /tmp/lc/b/bin/llama-bench -m $M/$f.gguf -p 0 -n 64 -d 0,512 -ngl 99 -r 5 2>&1 | grep -v "^ggml_\|^load\|^llama_" \
+      | tee -a "$OUT/llama_bench.txt"; }
+  done
+  echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log)"
+  ;;
+team)  # the team's figures on main's HEAD, a fresh machine: the GPU tests, bench/mesh_bench.py (lockstep, 1 and 3
+  # peers, every process on the one GPU) and bench/serve_bench.py (1..16 streams, local and a 3-peer chain) on
+  # $TFILE (default 1.1b-Q8_0; the SmolLM2 file is over a call's 64 MiB), then the engine on $PFILES as time allows
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  TF=${TFILE:-1.1b-Q8_0}
+  python3 bench/synth_gguf.py $M/$TF.gguf --shape ${TF%-*} --type ${TF#*-} > "$OUT/synth_$TF.txt" 2>&1
+  for f in ${PFILES:-}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_attention_gpu.py \
+    tests/test_device_greedy.py tests/test_kv_paging.py tests/test_matvec_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 220 ] && lim=220
+  echo "== mesh_bench $TF (limit ${lim}s)"; uptime
+  DEV=CUDA timeout $lim python3 bench/mesh_bench.py --model $M/$TF.gguf --peers ${PEERS:-1,3} --rounds 3 --tokens 64 2>&1 \
+    | grep -v Warning | tee "$OUT/mesh.txt"
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 300 ] && lim=300
+  echo "== serve_bench $TF (limit ${lim}s)"; uptime
+  DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$TF.gguf --streams 1,4,8,16 --modes ${MODES:-local,chain} 2>&1 \
+    | grep -v Warning | tee "$OUT/serve.txt"
+  for f in ${PFILES:-}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    engine $f engine.txt
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done

@@ -18,7 +18,7 @@ from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
 from .loader import Weight, device_zeros, rms_norm, zero_rows
-from .paged_attention import Run, paged_attention, write_kv
+from .paged_attention import Run, paged_attention, rope_write_kv, write_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +70,10 @@ class KVPages:
     n_blocks: int
     block_size: int
     table: Tensor
+    # GPUs, one rope base: cos/sin (max_context, rope_dim / 2) of every position, read by the kernel that ropes q
+    # and k and writes the pools (paged_attention.rope_write_kv), so a step uploads no rope tables
+    cos: Tensor | None = None
+    sin: Tensor | None = None
 
 
 def make_block(meta: ModelMeta, layer: int, w: dict[str, Weight], *, n_slots: int, max_context: int,
@@ -102,6 +106,14 @@ class Block:
             shape = ((pages.n_blocks + 1) * pages.block_size, n_kv_heads * head_dim)
             self.pool_k, self.pool_v = device_zeros(shape, kv_dtype), device_zeros(shape, kv_dtype)
             self.kv_table = pages.table  # the stage's, one tensor for every layer
+            if pages.cos is not None and type(self) is Block and rope_dim == head_dim:
+                self.rope_cos, self.rope_sin = pages.cos, pages.sin
+
+    @property
+    def rope_fused(self) -> bool:
+        """Whether this layer ropes q/k and writes its pools in one kernel (GPU, llama-style layers)."""
+        return getattr(self, "rope_cos", None) is not None and "attn_qkv.weight" in self.w \
+            and "attn_q_norm.weight" not in self.w and os.environ.get("MESH_GPU_ROPE_WRITE") != "0"
 
     @property
     def kv_nbytes(self) -> int:
@@ -124,6 +136,14 @@ class Block:
         N = x.shape[0]
         H, KvH, Hd = self.n_heads, self.n_kv_heads, self.head_dim
         norm = self._norm("attn_norm.weight")  # applied inside the q/k/v matmul
+        if self.rope_fused:  # GPU: rope, the pool writes and attention's q in one kernel
+            qkv = self._lin(x, "attn_qkv", norm=norm).float()
+            runs = [Run(g.col, g.n, g.slot, g.pos) for g in groups]
+            q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, self.pool_k, self.pool_v, self.kv_table, runs,
+                              self.block_size, H, KvH, Hd)
+            attn = paged_attention(q, self.pool_k, self.pool_v, self.kv_table, runs, ctx, self.max_context,
+                                   self.block_size, H, KvH, Hd, 1.0 / Hd ** 0.5)
+            return self._ffn(self._lin(attn, "attn_output", residual=x))
         if "attn_qkv.weight" in self.w:
             qkv = self._lin(x, "attn_qkv", norm=norm).contiguous()  # (N, (H + 2 KvH) * Hd), once for q, k and v
             q = qkv[:, :H * Hd].reshape(N, H, Hd)
@@ -139,8 +159,9 @@ class Block:
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         attn = self._attention(q, k, v, groups, ctx, 1.0 / Hd ** 0.5)  # (N, H*Hd)
+        return self._ffn(self._lin(attn, "attn_output", residual=x))
 
-        x = self._lin(attn, "attn_output", residual=x)
+    def _ffn(self, x: Tensor) -> Tensor:
         norm = self._norm("ffn_norm.weight")
         if "ffn_gate_up.weight" in self.w:  # one matmul for gate and up
             gu = self._lin(x, "ffn_gate_up", norm=norm)

@@ -23,6 +23,7 @@ Written in UOps with tinygrad's `custom_kernel`: no CUDA C, no intrinsics; the s
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -209,6 +210,103 @@ def _values_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
     return kernel_gpu if gpu else kernel
 
 
+# ---- GPU: split-positions attention (flash-decoding style), two kernels a layer
+
+CH = 32  # positions one thread block attends to (two KV blocks of 16)
+
+
+def gpu_split_ok(head_dim: int, block_size: int) -> bool:
+    """Whether the GPU's split kernels serve this head size (MESH_GPU_ATTN=paged keeps the three-kernel form)."""
+    return os.environ.get("MESH_GPU_ATTN", "") != "paged" and head_dim % CH == 0 and head_dim <= 1024 \
+        and CH % block_size == 0
+
+
+def _chunks(ctx: UOp) -> UOp:
+    # >= 1 even at ctx = 0: a CUDA graph sizes launches with the variables at 0, and a 0 launch is refused
+    return ((ctx + (CH - 1)) // CH).maximum(1)
+
+
+def _part_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: int, scale: float, tag: str):
+    """A thread block per (column, head, chunk of CH positions), a thread per value of head_dim. The block's CH keys
+    and values are loaded at once (each thread its own element of every row: a warp reads whole rows), the CH dot
+    products are summed through shared memory (thread d sums segment d // CH of position d % CH, then each thread
+    adds the Hd / CH segments of every position in order), and every thread computes the chunk's max m, the
+    probabilities p_t = exp(s_t - m) and l = sum p_t itself (same operations, same order: the same values), then
+    o[d] = sum_t p_t v[t, d]. Positions past the column's own are exact zeros (a `where`): a chunk holding none of
+    them gives m = -inf, l = 0, o = 0, which the combine adds as exact zeros. So nothing a column gets depends on
+    ctx or on the other columns of the step."""
+    G, W, NS, KB = H // KvH, KvH * Hd, Hd // CH, CH // B
+
+    def kernel(po: UOp, pm: UOp, pl: UOp, q: UOp, pk: UOp, pv: UOp, table: UOp) -> UOp:
+        N, per_seq = q.shape[0], table.shape[1]
+        c, h, ch = (UOp.range(n, i, AxisType.GLOBAL) for i, n in enumerate((N, H, _chunks(ctx))))
+        d = UOp.range(Hd, 3, AxisType.LOCAL)
+        slot, pos = _slot_pos(c, runs)
+        kv = (h // G) * Hd
+        last_blk = pk.shape[0] // W // B - 1
+        blks = [table[slot, (ch * KB + i).minimum(per_seq - 1)].cast(dtypes.int).maximum(0).minimum(last_blk)
+                for i in range(KB)]
+        qd = q[c, h * Hd + d]
+        prods = UOp.placeholder((CH * (Hd + 1),), F32, 100, addrspace=AddrSpace.LOCAL)  # rows padded: no conflicts
+        stores, vals = [], []
+        for j in range(CH):
+            row = (blks[j // B] * B + j % B) * W + kv + d
+            stores.append(prods[j * (Hd + 1) + d].store(qd * pk[row].cast(F32)))
+            vals.append(pv[row].cast(F32))
+        st1 = UOp.group(*stores)
+        jr, sg = d % CH, d // CH
+        seg = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
+        i = UOp.range(CH, 4, AxisType.REDUCE)
+        seg = seg.after(c, h, ch, d, st1)[0].set(0.0)
+        seg = seg[0].set(seg.after(i)[0] + prods.after(st1)[jr * (Hd + 1) + sg * CH + i], end=i)
+        sums = UOp.placeholder((Hd,), F32, 101, addrspace=AddrSpace.LOCAL)
+        st2 = sums[d].store(seg[0])  # d = sg * CH + jr
+        ok = [ch * CH + j <= pos for j in range(CH)]
+        s = []
+        for j in range(CH):
+            tot = sums.after(st2)[j]
+            for g in range(1, NS):
+                tot = tot + sums.after(st2)[g * CH + j]
+            s.append(ok[j].where(tot * scale, float("-inf")))
+        m = s[0]
+        for sj in s[1:]:
+            m = m.maximum(sj)
+        p = [ok[j].where(((s[j] - m) * LOG2E).exp2(), 0.0) for j in range(CH)]
+        l, o = p[0], ok[0].where(p[0] * vals[0], 0.0)
+        for j in range(1, CH):
+            l = l + p[j]
+            o = o + ok[j].where(p[j] * vals[j], 0.0)
+        first = d < 1
+        out = UOp.group(po[c, h, ch, d].store(o), pm[c, h, ch.valid(first)].store(m), pl[c, h, ch.valid(first)].store(l))
+        return out.end(d, ch, h, c).sink(arg=KernelInfo(name=f"attn_part_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def _combine_kernel(ctx: UOp, H: int, Hd: int, tag: str):
+    """out[c, h, d] = sum_i o_i[d] w_i / sum_i l_i w_i with w_i = exp(m_i - max m), over the chunks in order (a
+    thread block per (column, head), a thread per value)."""
+    def kernel(o: UOp, po: UOp, pm: UOp, pl: UOp) -> UOp:
+        N = o.shape[0]
+        c, h = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(H, 1, AxisType.GLOBAL)
+        d = UOp.range(Hd, 2, AxisType.LOCAL)
+        i1 = UOp.range(_chunks(ctx), 3, AxisType.REDUCE)
+        mx = UOp.placeholder((1,), F32, 0, addrspace=AddrSpace.REG)
+        mx = mx.after(c, h, d)[0].set(float("-inf"))
+        mx = mx[0].set(mx.after(i1)[0].maximum(pm[c, h, i1]), end=i1)
+        i2 = UOp.range(_chunks(ctx), 4, AxisType.REDUCE)
+        w = ((pm[c, h, i2] - mx[0]) * LOG2E).exp2()
+        lt = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
+        ot = UOp.placeholder((1,), F32, 2, addrspace=AddrSpace.REG)
+        lt = lt.after(mx)[0].set(0.0)
+        ot = ot.after(mx)[0].set(0.0)
+        step = UOp.group(lt[0].store(lt.after(i2)[0] + pl[c, h, i2] * w), ot[0].store(ot.after(i2)[0] + po[c, h, i2, d] * w))
+        step = step.end(i2)
+        lt, ot = lt.after(step), ot.after(step)
+        return o[c, h * Hd + d].store(ot[0] * lt[0].reciprocal()).end(d, h, c).sink(
+            arg=KernelInfo(name=f"attn_combine_{tag}", opts_to_apply=()))
+    return kernel
+
+
 def _gpu(t: Tensor) -> bool:
     return not str(t.device).startswith("CPU")
 
@@ -224,6 +322,45 @@ def write_kv(pool_k: Tensor, pool_v: Tensor, src: Tensor, table: Tensor, runs: S
     return out[:2]
 
 
+def _rope_write_kernel(runs: Sequence[Run], B: int, H: int, KvH: int, Hd: int, max_context: int, tag: str):
+    """A thread per value of a column's q|k|v row (the qkv matmul's output): q and k roped (half-split pairs, the
+    cos/sin of the column's position read from stage-wide tables), q stored for attention, k and v into the pools at
+    the column's row. One kernel where the Tensor graph took two (the roped join, then the write)."""
+    HH, W, R2 = H * Hd, KvH * Hd, Hd // 2
+
+    def kernel(qo: UOp, pk: UOp, pv: UOp, src: UOp, cos: UOp, sin: UOp, table: UOp) -> UOp:
+        N = src.shape[0]
+        c, j = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(HH + 2 * W, 1, AxisType.GLOBAL)
+        slot, pos = _slot_pos(c, runs)
+        e = j % Hd
+        i, base = e % R2, j - e
+        x1, x2 = src[c, base + i], src[c, base + i + R2]
+        p = pos.minimum(max_context - 1)  # a padded chunk's pad rows: positions past the context write the trash
+        cs, sn = cos[p, i], sin[p, i]
+        roped = (e < R2).where(x1 * cs - x2 * sn, x2 * cs + x1 * sn)
+        row = _row(table, slot, pos, B, pk.shape[0] // W)
+        st = UOp.group(qo[c, j.valid(j < HH)].store(roped),
+                       pk[(row * W + j - HH).valid((j >= HH) & (j < HH + W))].store(roped.cast(pk.dtype)),
+                       pv[(row * W + j - (HH + W)).valid(j >= HH + W)].store(src[c, j].cast(pv.dtype)))
+        return st.end(j, c).sink(arg=KernelInfo(name=f"rope_kv_write_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def rope_write_kv(src: Tensor, cos: Tensor, sin: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor,
+                  runs: Sequence[Run], block_size: int, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """src (N, (H + 2 KvH) Hd) float32 rows of q|k|v before rope; cos/sin (max_context, Hd / 2) tables of every
+    position. Writes each column's roped k and its v into the pools (as write_kv) and returns its roped q (N, H Hd)
+    float32, all realized: attention may read them next."""
+    N, HH = src.shape[0], n_heads * head_dim
+    tag = f"{N}x{src.shape[1]}_r{len(runs)}"
+    qo = Tensor.empty(N, HH, dtype=F32, device=src.device)
+    out = Tensor.custom_kernel(qo, pool_k.reshape(-1), pool_v.reshape(-1), src.contiguous(), cos, sin, table,
+                               fxn=_rope_write_kernel(_kruns(runs), block_size, n_heads, n_kv_heads, head_dim,
+                                                      cos.shape[0], tag))
+    Tensor.realize(*out[:3])
+    return out[0]
+
+
 def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence[Run], ctx: UOp,
                     max_context: int, block_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     scale: float) -> Tensor:
@@ -234,8 +371,16 @@ def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, ru
     runs, ctx = _kruns(runs), _kvar(ctx)
     tag = f"{N}x{H}x{Hd}_r{len(runs)}"
     q = q.cast(F32).contiguous()
-    s = Tensor.empty(N, H, -(-max_context // block_size) * block_size, dtype=F32, device=q.device)  # whole blocks
     gpu = _gpu(q)
+    if gpu and gpu_split_ok(Hd, block_size):
+        nch = -(-max_context // CH)
+        po = Tensor.empty(N, H, nch, Hd, dtype=F32, device=q.device)
+        pm, pl = (Tensor.empty(N, H, nch, dtype=F32, device=q.device) for _ in range(2))
+        po, pm, pl = Tensor.custom_kernel(po, pm, pl, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
+                                          fxn=_part_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, tag))[:3]
+        o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
+        return Tensor.custom_kernel(o, po, pm, pl, fxn=_combine_kernel(ctx, H, Hd, tag))[0]
+    s = Tensor.empty(N, H, -(-max_context // block_size) * block_size, dtype=F32, device=q.device)  # whole blocks
     s = Tensor.custom_kernel(s, q, pool_k.reshape(-1), table,
                              fxn=_scores_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, gpu, tag))[0]
     p, inv = Tensor.empty(N, H, max_context, dtype=F32, device=q.device), Tensor.empty(N, H, dtype=F32, device=q.device)

@@ -98,6 +98,20 @@ def _chunks(n: int, slack: int, buckets: tuple[int, ...]) -> tuple[tuple[int, in
     return tuple(out)
 
 
+def _rope_tables_on_device(meta: ModelMeta, max_context: int) -> tuple[Tensor | None, Tensor | None]:
+    """GPUs: the cos/sin of every position, resident, for the kernel that ropes and writes k/v (model.Block
+    rope_fused); (None, None) on the CPU (its step keeps the per-step tables: outputs stay as they are), for two
+    rope bases (Gemma 3), or with MESH_GPU_ROPE_WRITE=0. The same float64 computation as the per-step tables."""
+    if str(Device.DEFAULT).startswith("CPU") or meta.rope_theta_local or os.environ.get("MESH_GPU_ROPE_WRITE") == "0":
+        return None, None
+    out = []
+    for a in rope_inputs(meta, np.arange(max_context)):
+        t = device_empty(a.shape, dtypes.float32)
+        write_into(t, a)
+        out.append(t)
+    return out[0], out[1]
+
+
 class WarmupResult(NamedTuple):
     ms: float  # wall time of the warmup
     shapes: int  # compiled shapes it added
@@ -124,6 +138,7 @@ class Stage:
         self._table = pages.table
         self._table_np = np.full(pages.table.shape, pages.n_blocks, np.int32)  # unowned entries: the trash block
         self._blocks, self._embed, self._head = blocks, embed, head
+        self._rope_layers = bool(blocks) and all(getattr(b, "rope_fused", False) for b in blocks)
         self._lengths = [0] * n_slots  # positions each slot holds
         self._dirty: set[int] = set()  # slots a step has written since they were last cleared
         self._vslot = [UOp.variable(f"slot{i}", 0, n_slots - 1) for i in range(n_slots)]
@@ -132,6 +147,10 @@ class Stage:
         # variable at 0, and a GPU kernel's launch axis of ctx.maximum(1) would be simplified to ctx from 1
         self._vctx = UOp.variable("ctx", 0, max_context)
         self._use_jit = use_jit
+        # greedy columns get their token picked on the device (one int back instead of the vocab's logits); not on
+        # the CPU, where the logits are already in host memory. MESH_DEVICE_ARGMAX=0 turns it off (A/B runs)
+        self.greedy_on_device = not str(Device.DEFAULT).startswith("CPU") and \
+            os.environ.get("MESH_DEVICE_ARGMAX", "1") != "0"
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
@@ -164,7 +183,7 @@ class Stage:
             raise RangeError(f"{path}: kv_blocks must be at least 1, got {kv_blocks}")
         table = device_empty((n_slots, per_seq), dtypes.int32)
         write_into(table, np.full((n_slots, per_seq), kv_blocks, np.int32))
-        pages = KVPages(kv_blocks, BLOCK_SIZE, table)
+        pages = KVPages(kv_blocks, BLOCK_SIZE, table, *_rope_tables_on_device(meta, max_context))
         first, last = start == 0, end == meta.n_layers
         D, H, KvH, Hd = meta.dim, meta.n_heads, meta.n_kv_heads, meta.head_dim
         shapes = {
@@ -349,8 +368,11 @@ class Stage:
             samplings = samplings_for(sampling, cols)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
-        out = self._forward(cols, hidden)
+        greedy = self.last and self.greedy_on_device and all(s.temperature == 0.0 for s in samplings)
+        out = self._forward(cols, hidden, greedy)
         if not self.last:
+            return out
+        if greedy:  # the ids, picked on the device
             return out
         if len(samplings) != len(picks):
             samplings = samplings * len(picks)  # one for all
@@ -362,7 +384,7 @@ class Stage:
             raise EngineError(f"stage [{self.start}, {self.end}) is not the last stage and has no logits")
         return self._forward(cols, hidden)
 
-    def _forward(self, cols: Sequence[Column], hidden: np.ndarray | None) -> np.ndarray:
+    def _forward(self, cols: Sequence[Column], hidden: np.ndarray | None, greedy: bool = False) -> np.ndarray:
         runs = self._groups(cols)
         N = len(cols)
         if self.first:
@@ -391,20 +413,27 @@ class Stage:
             outs, off = [], 0
             for n, size in prefill_chunks(N, self.max_context - pos - N):
                 chunk_picks = tuple(i - off for i in picks if off <= i < off + n)
-                outs.append(self._run(x_np[off:off + n], [(0, n, slot, pos + off)], size, chunk_picks))
+                outs.append(self._run(x_np[off:off + n], [(0, n, slot, pos + off)], size, chunk_picks, greedy=greedy))
                 off += n
             out = outs[0] if len(outs) == 1 else np.concatenate(outs)
         else:
-            out = self._run(x_np, runs, N, tuple(picks))
+            out = self._run(x_np, runs, N, tuple(picks), greedy=greedy)
         for col, n, slot, pos in runs:
             self._lengths[slot] = pos + n
         return out
 
+    @property
+    def _rope_resident(self) -> bool:
+        """Every layer ropes on the device from the resident tables: no rope tables computed and sent per step
+        (MESH_GPU_ROPE_WRITE is read per step: bench/decode_ab.py switches it between captured variants)."""
+        return self._rope_layers and os.environ.get("MESH_GPU_ROPE_WRITE") != "0"
+
     def _run(self, x_np: np.ndarray, runs: Sequence[tuple[int, int, int, int]], size: int,
-             picks: tuple[int, ...], execute: bool = True) -> np.ndarray | None:
+             picks: tuple[int, ...], execute: bool = True, greedy: bool = False) -> np.ndarray | None:
         """One compiled step over the rows of x_np in `runs` (col, n, slot, pos), zero rows appended up to `size`
-        (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks`.
-        execute=False (warmup): only compile the shape, when that needs no run (None returned)."""
+        (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks` (greedy:
+        their argmax ids, int32, taken on the device). execute=False (warmup): only compile the shape, when that
+        needs no run (None returned)."""
         n_real = len(x_np)
         positions = np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
         jit_runs = tuple((col, n) for col, n, _, _ in runs)
@@ -412,7 +441,10 @@ class Stage:
             x_np = np.concatenate([x_np, np.zeros((size - n_real, self.dim), self.act_dtype)])
             positions = np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
             jit_runs = ((0, size),)
-        cos_np, sin_np = rope_inputs(self.meta, positions)
+        if resident := self._rope_resident:  # the step's cos/sin inputs stay as they are: no layer reads them
+            cos_np = sin_np = np.zeros((len(positions), self.meta.rope_dim // 2), np.float32)
+        else:
+            cos_np, sin_np = rope_inputs(self.meta, positions)
         # the last stage runs its layers for columns without logits too (their KV is needed), through the shape of
         # one logits row, which it throws away: one compiled shape fewer for the price of one row of the head
         wanted = bool(picks)
@@ -421,7 +453,7 @@ class Stage:
         # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
         # size does not make a new jit; only "every row" is a shape of its own
         every_row = self.last and picks == tuple(range(size))
-        shape = (size, jit_runs, -1 if every_row else len(picks))
+        shape = (size, jit_runs, -1 if every_row else len(picks)) + (("greedy",) if greedy else ())
         binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
                 [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)] + \
                 [self._vctx.bind(max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs)))]
@@ -430,7 +462,7 @@ class Stage:
         inputs = self._inputs.get(shape)
         if inputs is None:
             inputs = self._inputs[shape] = tuple(device_empty(a.shape, dtypes.float32) for a in (x_np, cos_np, sin_np))
-        for t, a in zip(inputs, (x_np, cos_np, sin_np)):
+        for t, a in zip(inputs, (x_np,) if resident else (x_np, cos_np, sin_np)):
             write_into(t, a)
         fn = self._jits.get(shape)
         if new_shape := fn is None:
@@ -455,7 +487,7 @@ class Stage:
         elif wanted:
             out = _copy_out(result)
         else:
-            out = np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+            out = np.zeros(0, np.int32) if greedy else np.zeros((0, self.meta.vocab_size), dtype=np.float32)
         if new_shape:
             self._after_new_shape()
         return out
@@ -498,12 +530,14 @@ class Stage:
                 return self._embed.lookup(np.zeros(n, dtype=np.int64))
             return np.zeros((n, self.dim), self.act_dtype)
 
-        for k in range(1, widths + 1):  # batched decode: slot i at position 0, every column with logits
-            self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else (),
-                      execute=False)
-        for b in PREFILL_BUCKETS:  # a prompt's chunk; the logits (if any) on one row, which is a bound variable
-            if b <= self.max_context:
-                self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else (), execute=False)
+        # on a GPU the last stage has a shape that picks greedy tokens on the device, besides the logits one
+        for greedy in (False, True) if self.last and self.greedy_on_device else (False,):
+            for k in range(1, widths + 1):  # batched decode: slot i at position 0, every column with logits
+                self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else (),
+                          execute=False, greedy=greedy)
+            for b in PREFILL_BUCKETS:  # a prompt's chunk; the logits (if any) on one row, which is a bound variable
+                if b <= self.max_context:
+                    self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else (), execute=False, greedy=greedy)
         self.zero_slot(0)  # compiles the session start's slot clearing too
         self.reset()
         return WarmupResult((time.perf_counter() - t0) * 1000, len(self._jits) - before)
@@ -550,20 +584,23 @@ class Stage:
 
     def _layer(self, shape, block: Block, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
         """One layer of the step for one shape of columns."""
-        N, runs, _ = shape
+        N, runs = shape[:2]
         k = len(runs)
         groups = [Group(col, n, binds[i], binds[k + i]) for i, (col, n) in enumerate(runs)]
         return block(x, cos.reshape(N, 1, -1), sin.reshape(N, 1, -1), groups, binds[2 * k])
 
     def _head_rows(self, shape, x: Tensor, *binds: UOp) -> Tensor:
         """The last stage's head over the rows that want logits: every row, or the rows bound to pick<j>."""
-        _, runs, n_picks = shape
+        _, runs, n_picks = shape[:3]
         if n_picks == -1:
             rows = x
         else:
             picks = binds[2 * len(runs) + 1:]
             rows = x[picks[0]:picks[0] + 1] if n_picks == 1 else Tensor.cat(*[x[v:v + 1] for v in picks])
-        return self._head(rows)  # (M, vocab) float32
+        logits = self._head(rows)  # (M, vocab) float32
+        if shape[3:] == ("greedy",):  # the first largest logit's id, as np.argmax: 4 bytes back instead of 4 * vocab
+            return logits.argmax(axis=1).cast(dtypes.int32).contiguous().realize()
+        return logits
 
     def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:
         """The step's computation for one shape of columns; TinyJit replays it with new inputs and bindings."""

@@ -1,0 +1,128 @@
+"""The GPU form of paged attention (engine/paged_attention.py: positions split over thread blocks, then combined) on
+tinygrad's PYTHON device, which runs a GPU kernel as a GPU would (thread blocks, shared memory, barriers), against
+float64 numpy; and each column's result bitwise the same whatever else is in the step. MESH_GPU_TEST_DEV=CUDA (or
+METAL) runs the same checks on a real GPU."""
+import os
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit, UOp
+
+from engine.paged_attention import CH, Run, gpu_split_ok, paged_attention
+
+DEV = os.environ.get("MESH_GPU_TEST_DEV", "PYTHON")
+B, MAXC = 16, 128
+
+
+def attend(q, pk, pv, table, runs, H, KvH, Hd):
+    """runs: (slot, pos, n) each; q (N, H * Hd). Returns (N, H * Hd) from a jitted step, as a stage runs it."""
+    N = q.shape[0]
+    slots = [UOp.variable(f"slot{i}", 0, table.shape[0] - 1) for i in range(len(runs))]
+    poss = [UOp.variable(f"pos{i}", 0, MAXC - 1) for i in range(len(runs))]
+    ctx = UOp.variable("ctx", 0, MAXC)
+    shape_runs, col = [], 0
+    for _, _, n in runs:
+        shape_runs.append((col, n))
+        col += n
+
+    def step(q_, pk_, pv_, tb_, *binds):
+        k = len(runs)
+        rr = [Run(c, n, binds[i], binds[k + i]) for i, (c, n) in enumerate(shape_runs)]
+        return paged_attention(q_, pk_, pv_, tb_, rr, binds[2 * k], MAXC, B, H, KvH, Hd, Hd ** -0.5).realize()
+
+    fn = TinyJit(step)
+    fn.cnt = 1
+    binds = [v.bind(s) for v, (s, _, _) in zip(slots, runs)] + [v.bind(p) for v, (_, p, _) in zip(poss, runs)] + \
+        [ctx.bind(max(p + n for _, p, n in runs))]
+    ts = [Tensor(a, device=DEV).realize() for a in (q, pk, pv, table)]
+    return fn(*ts, *binds).numpy()
+
+
+def reference(q, pk, pv, table, runs, H, KvH, Hd):
+    out, c = np.zeros((q.shape[0], H * Hd)), 0
+    G = H // KvH
+    for slot, pos0, n in runs:
+        for j in range(n):
+            pos = pos0 + j
+            rows = np.array([table[slot, t // B] * B + t % B for t in range(pos + 1)])
+            for h in range(H):
+                kv = (h // G) * Hd
+                k, v = pk[rows, kv:kv + Hd].astype(np.float64), pv[rows, kv:kv + Hd].astype(np.float64)
+                s = k @ q[c, h * Hd:(h + 1) * Hd].astype(np.float64) * Hd ** -0.5
+                p = np.exp(s - s.max())
+                out[c, h * Hd:(h + 1) * Hd] = p @ v / p.sum()
+            c += 1
+    return out
+
+
+def data(H, KvH, Hd, n_cols, slots=3, seed=0):
+    rng = np.random.default_rng(seed)
+    nblocks = slots * MAXC // B
+    rows = (nblocks + 1) * B
+    pk = rng.standard_normal((rows, KvH * Hd)).astype(np.float32)
+    pv = rng.standard_normal((rows, KvH * Hd)).astype(np.float32)
+    pk[-B:] = np.nan  # the trash block: read past a sequence's blocks, never allowed to leak
+    pv[-B:] = np.nan
+    table = rng.permutation(nblocks).astype(np.int32).reshape(slots, MAXC // B)
+    q = rng.standard_normal((n_cols, (H + 2 * KvH) * Hd)).astype(np.float32)  # the joined q|k|v rows of a step
+    return q, pk, pv, table
+
+
+@pytest.mark.parametrize("H,KvH,Hd", [(4, 2, 32), (2, 1, 64)])
+def test_split_attention_matches_numpy(H, KvH, Hd):
+    assert gpu_split_ok(Hd, B) and CH % B == 0  # the split form runs (MESH_GPU_ATTN=paged would not)
+    q, pk, pv, table = data(H, KvH, Hd, 4)
+    table[1, 5:] = len(pk) // B - 1  # slot 1 owns 5 blocks: the rest of its table points at the trash block
+    runs = [(0, 70, 1), (1, 30, 2), (2, 0, 1)]  # decode columns, a run of two, a first position
+    got = attend(q, pk, pv, table, runs, H, KvH, Hd)
+    want = reference(q, pk, pv, table, runs, H, KvH, Hd)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_a_column_gets_the_same_bits_next_to_any_others():
+    H, KvH, Hd = 4, 2, 32
+    q, pk, pv, table = data(H, KvH, Hd, 3, seed=1)
+    alone = attend(q[:1], pk, pv, table, [(0, 20, 1)], H, KvH, Hd)
+    crowd = attend(q[[1, 0, 2]], pk, pv, table, [(1, 100, 1), (0, 20, 1), (2, 127, 1)], H, KvH, Hd)
+    assert np.array_equal(alone[0], crowd[1])
+
+
+def test_rope_and_kv_write_in_one_kernel():
+    """engine/paged_attention.rope_write_kv: q and k roped at each column's position (half-split pairs, as
+    engine.model.rope), q returned, k and v stored at the column's pool row; rows of other positions untouched."""
+    from engine.model import rope_tables
+    from engine.paged_attention import rope_write_kv
+    H, KvH, Hd = 2, 1, 32
+    q, pk, pv, table = data(H, KvH, Hd, 3, seed=2)
+    pk[-B:] = pv[-B:] = 0.0
+    cos, sin = rope_tables(np.arange(MAXC), Hd, 10000.0)
+    runs = [(2, 40, 1), (0, 9, 2)]
+    binds = {}
+
+    def step(src, c_, s_, pk_, pv_, tb_, *bs):
+        rr = [Run(0, 1, bs[0], bs[2]), Run(1, 2, bs[1], bs[3])]
+        out = rope_write_kv(src, c_, s_, pk_, pv_, tb_, rr, B, H, KvH, Hd)
+        return out, pk_, pv_
+
+    fn = TinyJit(step)
+    fn.cnt = 1
+    vs = [UOp.variable(n, 0, hi) for n, hi in (("slot0", 2), ("slot1", 2), ("pos0", MAXC - 1), ("pos1", MAXC - 1))]
+    bound = [v.bind(x) for v, x in zip(vs, (2, 0, 40, 9))]
+    ts = [Tensor(a, device=DEV).realize() for a in (q, cos, sin, pk, pv, table)]
+    qo, pk_t, pv_t = fn(*ts, *bound)
+    qo, got_k, got_v = qo.numpy(), ts[3].numpy(), ts[4].numpy()
+
+    def roped(x, pos):  # (heads * Hd,) at one position
+        x = x.reshape(-1, Hd).astype(np.float64)
+        c, s = cos[pos].astype(np.float64), sin[pos].astype(np.float64)
+        x1, x2 = x[:, :Hd // 2], x[:, Hd // 2:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=1).reshape(-1)
+
+    want_k, want_v = pk.copy(), pv.copy()
+    for col, (slot, pos) in enumerate(((2, 40), (0, 9), (0, 10))):
+        np.testing.assert_allclose(qo[col], roped(q[col, :H * Hd], pos), rtol=0, atol=1e-5)
+        row = table[slot, pos // B] * B + pos % B
+        want_k[row] = roped(q[col, H * Hd:(H + KvH) * Hd], pos)
+        want_v[row] = q[col, (H + KvH) * Hd:]
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-5)
+    assert np.array_equal(got_v, want_v)
