@@ -126,3 +126,29 @@ def test_rope_and_kv_write_in_one_kernel():
         want_v[row] = q[col, (H + KvH) * Hd:]
     np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-5)
     assert np.array_equal(got_v, want_v)
+
+
+def test_kv_write_for_layers_that_rope_apart():
+    """engine/paged_attention.write_kv's GPU form (layers with q/k norms, Gemma 3): each column's k and v values
+    of a joined row stored at its pool row, nothing else touched."""
+    from engine.paged_attention import write_kv
+    H, KvH, Hd = 2, 1, 32
+    q, pk, pv, table = data(H, KvH, Hd, 3, seed=3)
+    pk[-B:] = pv[-B:] = 0.0
+    W = KvH * Hd
+
+    def step(src, pk_, pv_, tb_, *bs):
+        rr = [Run(0, 1, bs[0], bs[2]), Run(1, 2, bs[1], bs[3])]
+        Tensor.realize(*write_kv(pk_, pv_, src, tb_, rr, B, H * Hd, H * Hd + W))
+        return pk_, pv_
+
+    fn = TinyJit(step)
+    fn.cnt = 1
+    vs = [UOp.variable(n, 0, hi) for n, hi in (("slot0", 2), ("slot1", 2), ("pos0", MAXC - 1), ("pos1", MAXC - 1))]
+    ts = [Tensor(a, device=DEV).realize() for a in (q, pk, pv, table)]
+    fn(*ts, *[v.bind(x) for v, x in zip(vs, (1, 2, 77, 15))])
+    want_k, want_v = pk.copy(), pv.copy()
+    for col, (slot, pos) in enumerate(((1, 77), (2, 15), (2, 16))):
+        row = table[slot, pos // B] * B + pos % B
+        want_k[row], want_v[row] = q[col, H * Hd:H * Hd + W], q[col, H * Hd + W:]
+    assert np.array_equal(ts[1].numpy(), want_k) and np.array_equal(ts[2].numpy(), want_v)
