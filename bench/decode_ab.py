@@ -75,19 +75,19 @@ def main() -> None:
     run = stage.step if a.greedy else stage.step_logits
     for name, settings in variants.items():  # each variant's decode shape captured (and run once)
         apply(settings, defaults)
-        stage._jits, stage._inputs, stage._replays = {}, {}, {}
+        stage._jits, stage._inputs, stage._replays, stage._direct = {}, {}, {}, {}
         on_device[name] = Device.DEFAULT != "CPU" and os.environ.get("MESH_DEVICE_ARGMAX", "1") != "0"
         stage.greedy_on_device = on_device[name]
         t = time.perf_counter()
         run([Column(positions[0], 0, True, 7)])
         print(f"variant {name} {settings or '(defaults)'}: captured in {time.perf_counter() - t:.1f} s", flush=True)
-        state[name] = (stage._jits, stage._inputs, stage._replays)
+        state[name] = (stage._jits, stage._inputs, stage._replays, stage._direct)
     # every step rewrites the same position of its slot (a step may start below a slot's length), so each variant
     # is timed at the same context lengths
     times: dict[tuple[str, int], list[float]] = {(n, p): [] for n in variants for p in positions}
     for r in range(a.rounds):
         for name in variants:
-            stage._jits, stage._inputs, stage._replays = state[name]
+            stage._jits, stage._inputs, stage._replays, stage._direct = state[name]
             stage.greedy_on_device = on_device[name]
             apply(variants[name], defaults)  # settings read per step (MESH_GPU_ROPE_WRITE)
             for slot, p in enumerate(positions):
@@ -97,7 +97,7 @@ def main() -> None:
                     times[(name, p)].append(time.perf_counter() - t)
         Device[Device.DEFAULT].synchronize()
     for name in variants:  # the same position and token for every variant
-        stage._jits, stage._inputs, stage._replays = state[name]
+        stage._jits, stage._inputs, stage._replays, stage._direct = state[name]
         apply(variants[name], defaults)
         logits[name] = stage.step_logits([Column(positions[0], 0, True, 5)])
     first = next(iter(variants))

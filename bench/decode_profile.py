@@ -110,6 +110,7 @@ def kernels(stage, pos: int) -> None:
     stage._use_jit = False
     stage._jits.clear()  # else the captured step runs
     stage._replays.clear()
+    stage._direct.clear()
     stage.step([Column(pos, 0, True, 7)])  # compiles the unjitted step's kernels
     Device[Device.DEFAULT].synchronize()
     buf = io.StringIO()

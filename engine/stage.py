@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.dtype import _to_np_dtype
+from tinygrad.engine.jit import _prepare_jit_inputs
 
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
@@ -154,6 +155,7 @@ class Stage:
         self._jits: dict[tuple, TinyJit] = {}
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
+        self._direct: dict[tuple, list] = {}  # per captured shape without a replay: its jit's input buffers
         # capture one layer per shape and reuse its kernels (engine/shared_layers.py); MESH_SHARED_LAYERS=0: whole
         self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
         self._program_file: Path | None = None  # engine/program_cache.py: set by load when the cache is on
@@ -454,11 +456,21 @@ class Stage:
         # size does not make a new jit; only "every row" is a shape of its own
         every_row = self.last and picks == tuple(range(size))
         shape = (size, jit_runs, -1 if every_row else len(picks)) + (("greedy",) if greedy else ())
-        binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
-                [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)] + \
-                [self._vctx.bind(max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs)))]
+        ctx = max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs))
+        # the bound variables' values by name (what a replayed step takes), and the bound UOps themselves only where
+        # a capture or a jit call needs them (each bind is a UOp built through tinygrad's cache)
+        var_vals = {self._vctx.expr: ctx}
+        for i, r in enumerate(runs):
+            var_vals[self._vslot[i].expr], var_vals[self._vpos[i].expr] = int(r[2]), int(r[3])
         if not every_row:
-            binds += [UOp.variable(f"pick{j}", 0, size - 1).bind(i) for j, i in enumerate(picks)]
+            var_vals.update((f"pick{j}", i) for j, i in enumerate(picks))
+
+        def bound() -> list[UOp]:
+            binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
+                    [v.bind(int(r[3])) for v, r in zip(self._vpos, runs)] + [self._vctx.bind(ctx)]
+            if not every_row:
+                binds += [UOp.variable(f"pick{j}", 0, size - 1).bind(i) for j, i in enumerate(picks)]
+            return binds
         inputs = self._inputs.get(shape)
         if inputs is None:
             inputs = self._inputs[shape] = tuple(device_empty(a.shape, dtypes.float32) for a in (x_np, cos_np, sin_np))
@@ -469,7 +481,7 @@ class Stage:
             fn = TinyJit(partial(self._graph, shape))  # jit=False: captured for this one step, then dropped
             fn.cnt = 1  # (the attention kernels read bound variables, which only a jit's call hands them)
             if self._use_jit:
-                fn = self._jits[shape] = self._capture(shape, inputs, binds)
+                fn = self._jits[shape] = self._capture(shape, inputs, bound())
         if not execute and self._use_jit and fn.captured is not None:  # compiled without running (warmup)
             self._replay_for(shape, fn, inputs)
             self._after_new_shape()
@@ -477,9 +489,11 @@ class Stage:
         self._dirty.update(int(r[2]) for r in runs)  # the step writes these slots' caches
         replay = self._replays.get(shape)
         if replay is not None:
-            result = replay({v.expr: val for v, val in (b.unbind() for b in binds)})
+            result = replay(var_vals)
+        elif (bufs := self._direct.get(shape)) is not None:
+            result = fn.captured(bufs, var_vals)
         else:
-            result = fn(*inputs, *binds)
+            result = fn(*inputs, *bound())
             if self._use_jit and fn.captured is not None:
                 self._replay_for(shape, fn, inputs)
         if not self.last:
@@ -498,6 +512,11 @@ class Stage:
                 self._replays[shape] = CpuReplay(fn, inputs)
             except NotReplayable:
                 self._replays[shape] = None
+                # a GPU's step: its captured calls run straight from the input buffers (fixed per shape) and the
+                # variables' values, without TinyJit's per-call input preparation (a graph rewrite of every input,
+                # then the same checks each step); MESH_JIT_DIRECT=0 keeps the jit call
+                if os.environ.get("MESH_JIT_DIRECT", "1") != "0":
+                    self._direct[shape] = _prepare_jit_inputs(tuple(inputs), {})[0]
 
     def _after_new_shape(self) -> None:
         # the capture's scratch buffers now sit in the allocator's cache (the jit keeps its own); its programs go

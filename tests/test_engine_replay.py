@@ -55,7 +55,12 @@ def test_threaded_replay_is_bitwise_the_jit_and_refusal_keeps_the_jit(model, mon
     jitted = Stage.load(model, 0, 3, n_slots=1, max_context=64)
     got = decode(jitted, [3, 17, 42, 7, 99, 5, 8, 1, 2], 6)
     assert jitted._replays and all(r is None for r in jitted._replays.values())
+    assert jitted._direct.keys() == jitted._replays.keys()  # the captured calls run straight (a GPU's path)
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    monkeypatch.setenv("MESH_JIT_DIRECT", "0")  # and through TinyJit's own call
+    called = Stage.load(model, 0, 3, n_slots=1, max_context=64)
+    got = decode(called, [3, 17, 42, 7, 99, 5, 8, 1, 2], 6)
+    assert not called._direct and all(np.array_equal(a, b) for a, b in zip(want, got))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
