@@ -67,7 +67,8 @@ async def local_pipe(model: Path, n_slots: int, warmup: int):
 async def chain_pipe(model: Path, n_slots: int, warmup: int, peers: int = 3):
     token = secrets.token_urlsafe(24).encode()
     cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=token, min_peers=peers, settle=0.3, wait=600,
-                      n_slots=n_slots, max_context=CONTEXT, stage_warmup=warmup)   # Load gives every peer these
+                      n_slots=n_slots, max_context=CONTEXT, stage_warmup=warmup,   # Load gives every peer these
+                      placement="memory")   # 3 equal stages: by speed, peers of one box become one stage (GPU)
     async with trio.open_nursery() as nursery:
         coord = Coordinator(cfg)
         port = await coord.serve_registry(nursery)
