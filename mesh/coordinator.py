@@ -92,18 +92,25 @@ def _memo_dir(kind: str) -> Path:
 
 
 async def _rpc_all(members: list[Member], make: Callable[[Member], object], expect) -> list:
-    """Send to every member first, then collect every answer: the peers work in parallel."""
+    """Send to every member first, then collect every answer: the peers work in parallel. The answers are awaited
+    together, so the first member that fails (a frozen peer's link times out in ~5 s) fails the whole call at once,
+    instead of after the slowest member's answer (a load with its compile can take a minute on a busy CPU)."""
     for m in members:
         await m.link.send(make(m))
-    out = []
-    for m in members:
+    out: list = [None] * len(members)
+
+    async def answer(i: int, m: Member) -> None:
         try:
             ev = await m.link.receive()
         except LinkError as exc:
             raise FleetError(f"{m.name}: {exc}") from None
         if not isinstance(ev, expect):
             raise FleetError(f"{m.name}: expected {expect.__name__}, got {type(ev).__name__}")
-        out.append(ev)
+        out[i] = ev
+    with single_errors():
+        async with trio.open_nursery() as nursery:
+            for i, m in enumerate(members):
+                nursery.start_soon(answer, i, m)
     return out
 
 
