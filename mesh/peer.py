@@ -106,6 +106,7 @@ class Peer:
         self._posted: dict = {}             # link -> (its head BatchStep, engine.worker.PostedStep, perf_counter)
         # MESH_RING_FROM_READER=0: steps wait for the op loop (bench/mesh_bench.py --ab compares the two)
         self.ring_from_reader = os.environ.get("MESH_RING_FROM_READER", "1") != "0"
+        self.reader_rings = 0               # steps rung from a Link's reader so far
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport(show_text=cfg.show_text)
@@ -281,6 +282,7 @@ class Peer:
             self.compute.release()
             return False
         self._posted[link] = (ev, posted, t0)
+        self.reader_rings += 1
         return False
 
     async def _op_loop(self, link, nursery, control: bool) -> None:
