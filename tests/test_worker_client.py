@@ -10,7 +10,7 @@ import trio
 
 from common.values import Column, Sampling
 from engine.arena import Arena
-from engine.worker import WorkerCommandError, WorkerFatal, Worker, _PROJECT_ROOT
+from engine.worker import WorkerCommandError, WorkerDied, WorkerFatal, Worker, _PROJECT_ROOT
 
 FAKE_CHILD = r"""
 import os, struct, sys
@@ -161,3 +161,13 @@ async def test_a_posted_step_that_cannot_be_sent_raises_and_leaves_the_worker_fr
         with pytest.raises(WorkerCommandError, match="2 Sampling entries for 1 columns"):
             w.post_step_nowait([Col(0, 0)], None, 0, 0, [Greedy(), Greedy()])   # two samplings for one column
         assert np.array_equal(await w.step([Col(1, 0)], None, Greedy()), np.array([7], dtype=np.int32))
+
+
+async def test_a_step_posted_to_a_dead_child_names_its_death_when_awaited():
+    async with fake_worker("ok") as w:
+        w.process.kill()
+        await w.process.wait()
+        posted = w.post_step_nowait([Col(0, 0)], None, 0, 0, Greedy())    # the doorbell meets a closed pipe
+        with trio.fail_after(10), pytest.raises(WorkerDied) as info:
+            await w.step_posted(posted)
+        assert info.value.returncode == -9
