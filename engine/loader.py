@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -80,7 +79,7 @@ def read_rows(g: GGUFFile, info: TensorInfo, r0: int = 0, r1: int | None = None,
         raise ValueError(f"{info.name}: {len(raw)} bytes to read rows [{r0}, {r1}) of {row_bytes} bytes into")
     held = _OPEN.get()
     try:
-        if held is not None and held[0] == g.path:
+        if held is not None and held[0] is g:
             got = _pread(held[1], raw, info.offset + r0 * row_bytes)
         else:
             with open(g.path, "rb") as f:
@@ -104,7 +103,7 @@ def _pread(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
-_OPEN: ContextVar[tuple[Path, int] | None] = ContextVar("mesh_open_gguf", default=None)
+_OPEN: ContextVar[tuple[GGUFFile, int] | None] = ContextVar("mesh_open_gguf", default=None)
 _SCRATCH: ContextVar[list | None] = ContextVar("mesh_load_scratch", default=None)
 
 
@@ -117,7 +116,7 @@ def reading(g: GGUFFile) -> Iterator[None]:
         fd = os.open(g.path, os.O_RDONLY)
     except OSError as e:
         raise ModelFormatError(f"{g.path}: cannot open ({e.strerror or e})") from None
-    tokens = _OPEN.set((g.path, fd)), _SCRATCH.set([np.empty(0, np.uint8)])
+    tokens = _OPEN.set((g, fd)), _SCRATCH.set([np.empty(0, np.uint8)])
     try:
         yield
     finally:
