@@ -105,6 +105,10 @@ def _pread(fd: int, buf: memoryview, offset: int) -> int:
 
 _OPEN: ContextVar[tuple[GGUFFile, int] | None] = ContextVar("mesh_open_gguf", default=None)
 _SCRATCH: ContextVar[list | None] = ContextVar("mesh_load_scratch", default=None)
+# bytes copied to an accelerator between two waits for it during a load: CUDA stages every copy in new pinned host
+# memory that it frees (to its allocator's cache, for the next copy of that size) only when the device is
+# synchronized, so an 8B range would otherwise hold its whole size in pinned host memory until the load ends
+SYNC_EVERY = 256 << 20
 
 
 @contextmanager
@@ -116,7 +120,7 @@ def reading(g: GGUFFile) -> Iterator[None]:
         fd = os.open(g.path, os.O_RDONLY)
     except OSError as e:
         raise ModelFormatError(f"{g.path}: cannot open ({e.strerror or e})") from None
-    tokens = _OPEN.set((g, fd)), _SCRATCH.set([np.empty(0, np.uint8)])
+    tokens = _OPEN.set((g, fd)), _SCRATCH.set([np.empty(0, np.uint8), 0])
     try:
         yield
     finally:
@@ -135,6 +139,17 @@ def scratch(shape: tuple[int, int]) -> np.ndarray:
     if held[0].nbytes < n:
         held[0] = np.empty(n, np.uint8)
     return held[0][:n].reshape(shape)
+
+
+def _copied(t: Tensor, nbytes: int) -> None:
+    """Count bytes a load copied into `t`'s device through the allocator; wait for the device every SYNC_EVERY."""
+    held = _SCRATCH.get()
+    if held is None:
+        return
+    held[1] += nbytes
+    if held[1] >= SYNC_EVERY:
+        Device[t.uop.buffer.device].synchronize()
+        held[1] = 0
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -238,6 +253,7 @@ def load_weight(g: GGUFFile, info: TensorInfo, mode: WeightMode, *, rope_heads: 
             t = device_empty(info.shape, _FLOAT_TYPES[info.ggml_type])
             rows = read_rows(g, info, into=scratch((info.shape[0], info.nbytes // info.shape[0])))
             write_bytes(t, unpermute_rope_rows(rows, rope_heads) if rope_heads else rows)
+            _copied(t, rows.nbytes)
             return Weight(t, info.shape)
         mode = "q8"
     if mode == "q8" and len(info.shape) == 2 and info.shape[1] % Q8_BLOCK == 0:
@@ -289,6 +305,7 @@ def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int, whole: np.ndarr
         p_rest, p_halfs = repack(part, info.ggml_type, il)
         write_into(rest, p_rest, r0 // il * p_rest[0].nbytes)
         write_into(halfs, p_halfs, r0 // il * p_halfs[0].nbytes)
+        _copied(rest, p_rest.nbytes + p_halfs.nbytes)
     return Weight(None, (n_rows, cols), quant=QuantWeight(rest, halfs, (n_rows, cols), info.ggml_type))
 
 

@@ -27,10 +27,13 @@ def file_rows(g, name: str, heads: int = 0) -> np.ndarray:
     return loader.unpermute_rope_rows(rows, heads) if heads else rows
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_resident_blocks_are_the_files_bytes(tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize("arch,path", [("llama", "device memory"), ("qwen2", "device memory"), ("llama", "copies")])
+def test_resident_blocks_are_the_files_bytes(tmp_path, monkeypatch, arch, path):
     # chunks of 16 rows: every weight goes to the device in several chunks through the reused host buffer
     monkeypatch.setattr(loader, "BLOCK_CHUNK_ROWS", 16)
+    if path == "copies":  # as on an accelerator: regrouped on the host and copied in, the device waited for often
+        monkeypatch.setattr(loader, "host_view", lambda t: None)
+        monkeypatch.setattr(loader, "SYNC_EVERY", 4096)
     p = write_tiny_gguf(tmp_path / "m.gguf", arch=arch, n_layers=3, qtype="Q4_1", embed_qtype="Q8_0")
     g = read_gguf(p)
     s = Stage.load(p, 0, 3, n_slots=1, max_context=16)
@@ -74,6 +77,21 @@ def test_shaped_is_the_same_uop_as_reshape():
     for shape in [(36, 18, 16, 16), (576,), (1, 576), (7, 1, 3)]:
         buf = UOp.new_buffer(Device.DEFAULT, int(np.prod(shape)), dtypes.uint8)
         assert loader._shaped(buf, shape) is buf.reshape(shape)
+
+
+def test_a_load_waits_for_its_device_every_so_many_copied_bytes(tmp_path, monkeypatch):
+    """CUDA frees the pinned host memory staging each copy only when the device is synchronized."""
+    g = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", n_layers=1))
+    t = loader.device_empty((8,), dtypes.uint8)
+    waits = []
+    monkeypatch.setattr(type(Device[Device.DEFAULT]), "synchronize", lambda d: waits.append(1))
+    monkeypatch.setattr(loader, "SYNC_EVERY", 100)
+    loader._copied(t, 500)  # outside a load: nothing counted
+    with loader.reading(g):
+        for n, want in ((60, 0), (39, 0), (1, 1), (99, 1), (250, 2)):
+            loader._copied(t, n)
+            assert len(waits) == want
+    assert len(waits) == 2
 
 
 def test_reads_outside_a_load_and_inside_agree(tmp_path):
