@@ -244,22 +244,24 @@ def page_in(path: Path, start: int, end: int) -> None:
 
 def read_and_copy(path: Path, start: int, end: int) -> tuple[int, float, float]:
     """The floor a load is measured against: read the range's tensor bytes from the file and copy them into
-    device buffers, nothing else. Returns (bytes, seconds, seconds of this thread's CPU). The buffers are held until the end, as a stage holds its
-    weights: freed one by one, tinygrad's allocator would hand the same memory back for the next tensor of that size
-    and the floor would skip the page faults of new memory that every load pays."""
+    device buffers, nothing else. Returns (bytes, seconds, seconds of this thread's CPU). The device buffers are held
+    until the end, as a stage holds its weights: freed one by one, tinygrad's allocator would hand the same memory
+    back for the next tensor of that size and the floor would skip the page faults of new memory that every load
+    pays. The bytes are read into one reused host buffer, as the loader's own (`loader.scratch`)."""
     import numpy as np
     from engine.loader import device_empty, free_device_cache, write_into
     from tinygrad import dtypes
     tensors = range_tensors(path, start, end)
     held = []
     t, c = time.perf_counter(), time.thread_time()
+    buf = np.empty(max(info.nbytes for info in tensors), np.uint8)
     with open(path, "rb") as f:
         for info in tensors:
-            raw = bytearray(info.nbytes)
+            raw = buf[:info.nbytes]
             f.seek(info.offset)
-            f.readinto(raw)
+            f.readinto(memoryview(raw))
             held.append(dev := device_empty((info.nbytes,), dtypes.uint8))
-            write_into(dev, np.frombuffer(raw, np.uint8))
+            write_into(dev, raw)
     took, cpu = time.perf_counter() - t, time.thread_time() - c
     del held, dev
     free_device_cache()
