@@ -250,7 +250,7 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
         next_fault = t_start + args.fault_every
         next_sample = t_start
         pending: list[tuple[float, Proc, str]] = []      # (when, peer, "restart" | "resume")
-        n = 0
+        n = args.faults_so_far          # kill and freeze alternate across phases too
         while client.poll() is None:
             now = time.monotonic()
             if now >= next_sample:
@@ -271,7 +271,7 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
                       flush=True)
             if now >= next_fault and now - t_start < seconds - args.down - 30:
                 next_fault += args.fault_every
-                victim = peers[n % len(peers)]
+                victim = peers[(n // 2) % len(peers)]     # p0 killed, p0 frozen, p1 killed, ...
                 how = "kill" if n % 2 == 0 else "freeze"
                 n += 1
                 if victim.proc.poll() is None and not victim.frozen:
@@ -284,6 +284,7 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
                         victim.frozen = True
                         pending.append((now + args.down, victim, "resume"))
                     faults.append(how)
+                    args.faults_so_far += 1
                     print(f"[{time.strftime('%H:%M:%S')}] {kind}: {how} {victim.name}", flush=True)
             time.sleep(0.5)
         results = [json.loads(line) for line in client_log.read_text().splitlines() if line.strip()]
@@ -363,6 +364,7 @@ def main() -> None:
     logdir = args.logs or Path(tempfile.mkdtemp(prefix="mesh-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
     phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    args.faults_so_far = 0
     print(f"soak: {args.minutes:.1f} min over {phases}, {args.peers} peers, {args.clients} clients, a fault every "
           f"{args.fault_every:.0f}s (down {args.down:.0f}s); logs in {logdir}", flush=True)
     runs = [run_phase(k, args.minutes * 60 / len(phases), args, logdir) for k in phases]

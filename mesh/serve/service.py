@@ -114,6 +114,8 @@ class Answer:
             except SchedulerStopped as stopped:    # that session ended already: wait for the one after it
                 exc = stopped
                 continue
+            except ValueError as refused:          # a smaller KV pool on the new chain, say: the answer fails cleanly
+                raise MeshError(f"the re-formed mesh cannot take this answer back: {refused}") from None
             await self.gen.__aexit__(None, None, None)
             self.gen = gen
             self.service.repeated += 1
