@@ -368,6 +368,7 @@ def main() -> None:
     print(f"soak: {args.minutes:.1f} min over {phases}, {args.peers} peers, {args.clients} clients, a fault every "
           f"{args.fault_every:.0f}s (down {args.down:.0f}s); logs in {logdir}", flush=True)
     runs = [run_phase(k, args.minutes * 60 / len(phases), args, logdir) for k in phases]
+    (logdir / "rss.json").write_text(json.dumps({r["kind"]: r["samples"] for r in runs}))   # (s, process[range], MB)
 
     reference: dict[int, str] = {}
     done = lost = wrong = 0
