@@ -28,7 +28,7 @@ from tinygrad.codegen import to_program, to_program_cache, to_program_key
 from tinygrad.helpers import ContextVar
 from tinygrad.uop.ops import Ops, UOp
 
-__all__ = ["cache_path", "code_identity", "compiled", "load_programs", "read_blob", "save_programs", "write_blob"]
+__all__ = ["cache_path", "code_identity", "compiled", "load_programs", "read_blob", "save_programs", "trim", "write_blob"]
 
 MAGIC = b"meshprg1"
 _VERSION = importlib.metadata.version("tinygrad")
@@ -75,7 +75,7 @@ def code_identity() -> tuple:
 
 
 # variables that place files or switch caches, never kernels
-_NOT_SETTINGS = frozenset({"MESH_CACHE_DIR", "MESH_PROGRAM_CACHE", "MESH_HEADER_CACHE"})
+_NOT_SETTINGS = frozenset({"MESH_CACHE_DIR", "MESH_PROGRAM_CACHE", "MESH_HEADER_CACHE", "MESH_CACHE_MAX_MB"})
 
 
 def write_blob(path: Path, obj) -> bool:
@@ -92,7 +92,45 @@ def write_blob(path: Path, obj) -> bool:
         os.replace(tmp, path)
     except OSError:
         return False
+    trim(path.parent, keep=path)
     return True
+
+
+def cache_limit() -> int:
+    """Bytes a cache folder may hold: MESH_CACHE_MAX_MB (default 1024). Every engine or tinygrad version makes new
+    templates and programs under new names, so without a bound the folder only grows (1.4 GB seen on a dev box)."""
+    try:
+        return int(float(os.environ.get("MESH_CACHE_MAX_MB", "1024")) * 2**20)
+    except ValueError:
+        return 1024 * 2**20
+
+
+def trim(folder: Path, *, keep: Path | None = None, limit: int | None = None) -> None:
+    """Delete the least recently used files of `folder` (reads touch a file's mtime) until it holds at most `limit`
+    bytes; `keep` (the file just written) stays whatever its size. Files that vanish meanwhile (another process
+    trimming) are skipped; a reader that has a file open keeps its bytes (unlink)."""
+    limit = cache_limit() if limit is None else limit
+    files, total = [], 0
+    try:
+        names = list(folder.iterdir())
+    except OSError:
+        return
+    for f in names:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        total += st.st_size
+        if f != keep and not f.name.startswith(".tmp-"):
+            files.append((st.st_mtime, st.st_size, f))
+    for _, size, f in sorted(files, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        try:
+            f.unlink()
+            total -= size
+        except OSError:
+            pass
 
 
 def read_blob(path: Path):
@@ -101,6 +139,10 @@ def read_blob(path: Path):
         blob = path.read_bytes()
     except OSError:
         return None
+    try:
+        os.utime(path)  # used now: trim() deletes the least recently used first
+    except OSError:
+        pass
     body = memoryview(blob)[len(MAGIC) + 32:]  # not a slice of the bytes: that would copy the payload
     if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != blob[len(MAGIC):len(MAGIC) + 32]:
         return None
