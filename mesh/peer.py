@@ -104,8 +104,10 @@ class Peer:
         self.compute = trio.Semaphore(1, max_value=1)
         self._waiting: set = set()          # links whose op loop waits in receive() with nothing queued
         self._posted: dict = {}             # link -> (its head BatchStep, engine.worker.PostedStep, perf_counter)
-        # MESH_RING_FROM_READER=0: steps wait for the op loop (bench/mesh_bench.py --ab compares the two)
-        self.ring_from_reader = os.environ.get("MESH_RING_FROM_READER", "1") != "0"
+        # MESH_RING_FROM_READER=1: a step arriving on an idle stage is rung from the Link reader (`_take_step`).
+        # Off by default: on 2 shared cores it lost to the op loop's ring in 2 of 4 A/B runs and won 2, by about as
+        # much (NOTES "Hot path through a stage"); bench/mesh_bench.py --ab compares the two
+        self.ring_from_reader = os.environ.get("MESH_RING_FROM_READER", "0") == "1"
         self.reader_rings = 0               # steps rung from a Link's reader so far
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()

@@ -36,7 +36,8 @@ def reference(model, n: int) -> list[int]:
     return toks
 
 
-async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model):
+async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch):
+    monkeypatch.setenv("MESH_RING_FROM_READER", "1")     # opt-in (off by default: not shown to pay on 2 cores)
     want = reference(model, 6)
     sessions = trio.open_memory_channel(4)
 
