@@ -23,7 +23,9 @@
 #   bench/h200_synth.sh s4     a fresh machine: GPU tests, bench/decode_ab.py --greedy A/B of $VARIANTS on the 8B files,
 #                              the engine bench, llama-bench tg64 at depths 0 and 512 (built in the background, niced)
 #   bench/h200_synth.sh team   a fresh machine: GPU tests, bench/mesh_bench.py and bench/serve_bench.py on $TFILE
-#                              (carry .snap with .wx: the mesh's wheels the image lacks), then the engine on $PFILES
+#                              (carry .snap with .wx: the mesh's wheels the image lacks), then the engine on $PFILES.
+#                              mesh_bench's peers (`python -m mesh peer` with a token) import aiortc: put aiortc, av
+#                              and their dependencies in .wx too, or the peers die silently and mesh_bench waits
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
