@@ -464,7 +464,7 @@ class EmbeddingTable:
             raise UnsupportedModel(f"{g.path}: token_embd type {info.type_name} cannot be dequantized on the host") from None
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:  # (N,) -> (N, dim) float32
-        raw = self.rows[ids] if self.shared is None else np.stack([self.shared.read_row(int(i)) for i in ids])
+        raw = self.rows[ids] if self.shared is None else self.shared.read_rows(ids)
         rows = np_dequantize(raw, self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
         return rows if self.scale == 1.0 else rows * np.float32(self.scale)
 

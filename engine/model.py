@@ -17,6 +17,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
+from .cpu_kernels import glu
 from .loader import Weight, device_zeros, rms_norm, zero_rows
 from .paged_attention import Run, paged_attention, rope_write_kv, write_kv
 
@@ -169,7 +170,7 @@ class Block:
             if fuse_glu(gu.device):  # silu(gate) * up inside ffn_down's kernel: one kernel a layer fewer
                 ff = self._lin(gu, "ffn_down", glu=True, residual=x)
             else:
-                ff = self._lin(gu[:, :F].silu() * gu[:, F:], "ffn_down", residual=x)
+                ff = self._lin(glu(gu), "ffn_down", residual=x)  # silu(gate) * up (engine/cpu_kernels.py)
         else:
             h = rms_norm(x, *norm)
             ff = self._lin(self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up"), "ffn_down", residual=x)

@@ -312,12 +312,21 @@ class QuantWeight:
 
     def read_row(self, r: int) -> np.ndarray:
         """Row r's raw GGUF bytes, read back from the resident blocks (the embedding of a tied model)."""
-        g, lane = divmod(r, self.il)
+        return self.read_rows(np.array([r]))[0]
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The raw GGUF bytes (len(rows), row bytes) of the given rows: each group of il rows they touch is copied
+        out once and all of them are unpacked together (a prompt's embeddings: one unpack, not one per token)."""
+        groups, where = np.unique(np.asarray(rows, dtype=np.int64) // self.il, return_inverse=True)
         _, nb, n_rest, il = self.rest.shape
         n_halfs = self.halfs.shape[2]
-        rest = _read(self.rest, g * nb * n_rest * il, nb * n_rest * il).reshape(1, nb, n_rest, il)
-        halfs = _read(self.halfs, g * nb * n_halfs * il * 2, nb * n_halfs * il * 2).view(np.float16)
-        return unpack(rest, halfs.reshape(1, nb, n_halfs, il), self.ggml_type)[lane]
+        rest = np.empty((len(groups), nb, n_rest, il), np.uint8)
+        halfs = np.empty((len(groups), nb, n_halfs, il), np.float16)
+        for k, g in enumerate(groups.tolist()):
+            rest[k] = _read(self.rest, g * rest[k].nbytes, rest[k].nbytes).reshape(nb, n_rest, il)
+            halfs[k] = _read(self.halfs, g * halfs[k].nbytes, halfs[k].nbytes).view(np.float16).reshape(nb, n_halfs, il)
+        raw = unpack(rest, halfs, self.ggml_type).reshape(len(groups), il, -1)
+        return raw[where.reshape(-1), np.asarray(rows, dtype=np.int64) % il]
 
 
 def _words(t: Tensor) -> Tensor:

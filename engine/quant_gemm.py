@@ -15,7 +15,8 @@ decoded N times, and decoding (byte loads, shifts, int -> float) costs more than
 
 The inner loop is 2 vector loads of wb, T broadcasts of x and 2T 8-wide FMAs; with T = 4 the 8 accumulators, 2
 weights and the broadcasts fit AVX2's 16 registers (clang's output, read with llvm-mca: 8 FMAs an iteration, no
-spills; T = 8 spills). The decode is amortized over all N columns. How the C has to look for clang to vectorize it
+spills; T = 8 spills there). With AVX-512 a row group is one 16-wide register and T = 8 (`default_tile`). The
+decode is amortized over all N columns. How the C has to look for clang to vectorize it
 (tinygrad leaves vectorization to clang's SLP and loop vectorizers), each found by reading the generated code:
   * wb and accm are REG placeholders, which tinygrad never groups into float4 accesses: a float4 store of the
     accumulators made SLP pick 4-wide vectors and spill half of them;
@@ -35,6 +36,7 @@ matvec kernels), and one column (decode) keeps the matvec.
 from __future__ import annotations
 
 import os
+import platform
 from typing import TYPE_CHECKING
 
 from tinygrad import Tensor, UOp, dtypes
@@ -46,7 +48,29 @@ if TYPE_CHECKING:  # quant imports this module
 
 F32 = dtypes.float32
 MAX_COLUMNS = 256  # columns per kernel: 16 KB of sums on a thread's stack (a step of several long runs is split)
-TILE = 4  # columns per tile: T x IL accumulators in registers (4 x 16 floats: 8 of AVX2's 16, 16 of NEON's 32)
+
+
+def default_tile() -> int:
+    """Columns per tile: T x IL accumulators in registers. 4 x 16 floats are 8 of AVX2's 16 registers and 16 of
+    NEON's 32. With AVX-512 (tinygrad compiles for the host's own CPU, -march=native) 16 floats are one of 32
+    registers: 4 columns leave 4 dependent FMA chains, fewer than the 2 FMA pipes x 4 cycles of latency keep busy,
+    and 8 columns (8 chains) ran 1.12-1.2x faster on Zen 5 (bench/RESULTS.md, "First token"); 12 and 16 spilled.
+    The tile never changes a column's sum (each column is summed alone, in order): outputs are bitwise the same.
+    MESH_GEMM_TILE overrides it (A/B runs)."""
+    if env := os.environ.get("MESH_GEMM_TILE"):
+        return max(1, int(env))
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        if "avx512f" in flags:
+            return 8
+    return 4
+
+
+TILE = default_tile()
 
 
 def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: bool):

@@ -30,7 +30,10 @@ class NotReplayable(Exception):
 
 
 class CpuReplay:
-    def __init__(self, jit, inputs: Sequence[Tensor], threads: int | None = None) -> None:
+    """`head` > 0: the step's last `head` calls are the last stage's output head, and `headless(var_vals)` runs the
+    step without them (a prefill chunk whose columns want no logits: the same table up to the head, nothing new
+    to compile)."""
+    def __init__(self, jit, inputs: Sequence[Tensor], threads: int | None = None, head: int = 0) -> None:
         captured = jit.captured
         if captured is None:
             raise NotReplayable("the jit has not captured yet")
@@ -59,7 +62,11 @@ class CpuReplay:
                                    global_size[0] if core is not None else 1))
         self.threads = cpu_threads() if threads is None else threads
         self.runner = StepRunner(self.calls, self.threads)
+        self.body = StepRunner(self.calls[:-head], self.threads) if 0 < head < len(self.calls) else None
 
     def __call__(self, var_vals: dict[str, int]):
         self.runner.run(var_vals)
         return self.ret
+
+    def headless(self, var_vals: dict[str, int]) -> None:
+        (self.body or self.runner).run(var_vals)

@@ -156,6 +156,7 @@ class Stage:
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
         self._direct: dict[tuple, list] = {}  # per captured shape without a replay: its jit's input buffers
+        self._head_calls: dict[tuple, int] = {}  # per shape assembled from templates: the head's number of kernels
         # capture one layer per shape and reuse its kernels (engine/shared_layers.py); MESH_SHARED_LAYERS=0: whole
         self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
         self._program_file: Path | None = None  # engine/program_cache.py: set by load when the cache is on
@@ -448,7 +449,9 @@ class Stage:
         else:
             cos_np, sin_np = rope_inputs(self.meta, positions)
         # the last stage runs its layers for columns without logits too (their KV is needed), through the shape of
-        # one logits row, which it throws away: one compiled shape fewer for the price of one row of the head
+        # one logits row: one compiled shape fewer. The CPU replay skips that shape's head kernels (the table's
+        # tail: `CpuReplay.headless`), so a prompt's chunks before the last cost no head at all; the jit path (GPUs)
+        # computes the row and throws it away
         wanted = bool(picks)
         if self.last and not picks:
             picks = (0,)
@@ -488,7 +491,10 @@ class Stage:
             return None
         self._dirty.update(int(r[2]) for r in runs)  # the step writes these slots' caches
         replay = self._replays.get(shape)
-        if replay is not None:
+        if replay is not None and self.last and not wanted:  # a chunk without logits: its layers only, no head
+            replay.headless(var_vals)
+            result = None
+        elif replay is not None:
             result = replay(var_vals)
         elif (bufs := self._direct.get(shape)) is not None:
             result = fn.captured(bufs, var_vals)
@@ -509,7 +515,7 @@ class Stage:
     def _replay_for(self, shape, fn, inputs) -> None:
         if shape not in self._replays:
             try:
-                self._replays[shape] = CpuReplay(fn, inputs)
+                self._replays[shape] = CpuReplay(fn, inputs, head=self._head_calls.get(shape, 0))
             except NotReplayable:
                 self._replays[shape] = None
                 # a GPU's step: its captured calls run straight from the input buffers (fixed per shape) and the
@@ -572,9 +578,11 @@ class Stage:
             stored = read_blob(path) if path is not None else None
             if isinstance(stored, dict):  # templates from an earlier process: no scheduling at all
                 try:
-                    return capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds, stored)[0]
+                    fn, used = capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds, stored)
                 except Exception:  # noqa: BLE001 (a stale or damaged template is never trusted: captured anew)
                     _release_freed_memory()
+                else:
+                    return self._note_head(shape, fn, used)
             self._load_programs()
             try:
                 fn, used = capture_shared(self._blocks, partial(self._layer, shape), head, inputs, binds)
@@ -583,10 +591,17 @@ class Stage:
             else:
                 if path is not None:
                     write_blob(path, used)
-                return fn
+                return self._note_head(shape, fn, used)
         self._load_programs()
         fn = TinyJit(partial(self._graph, shape))
         fn.cnt = 1
+        return fn
+
+    def _note_head(self, shape, fn: TinyJit, used: dict) -> TinyJit:
+        """Remember how many kernels the head adds at the end of an assembled step (its template's calls), so a
+        prefill chunk without logits can run the step without them (`CpuReplay.headless`)."""
+        if self.last and "head" in used:
+            self._head_calls[shape] = len(used["head"].linear.src)
         return fn
 
     def _load_programs(self) -> None:

@@ -36,6 +36,8 @@ def test_matvec_decodes_every_type_as_gguf_does(qtype, cols, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     for r in (0, 17, 47):  # the embedding of a tied model reads rows back from the resident blocks
         np.testing.assert_array_equal(w.read_row(r), raw[r])
+    ids = np.array([47, 3, 17, 3, 0, 46, 16])  # a prompt's rows at once: repeats, groups out of order
+    np.testing.assert_array_equal(w.read_rows(ids), raw[ids])
 
 
 def test_interleave_divides_the_rows():
