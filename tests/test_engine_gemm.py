@@ -54,6 +54,20 @@ def test_gemm_tiles_agree(tile):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
+def test_tile_and_unroll_never_change_a_bit(qtype, monkeypatch):
+    """The tile (columns a decoded block meets at once) and the unroll (values a loop step) are speed only: every
+    column is summed alone, in value order, whatever they are."""
+    w, _ = weight(qtype, 32, 512)
+    x = np.random.default_rng(7).standard_normal((11, 512)).astype(np.float32)
+    outs = []
+    for tile, unroll in [(1, 1), (4, 1), (8, 4), (3, 2), (8, 8)]:
+        monkeypatch.setattr(quant_gemm, "UNROLL", unroll)
+        outs.append(quant_gemm.gemm_t(w.rest, w.halfs, SPECS[Q[qtype]], qtype.lower(), 32, 2, Tensor(x),
+                                      tile=tile).numpy())
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.parametrize("fused", ["norm", "glu"])
 def test_gemm_fused_inputs_match_the_matvec(fused, monkeypatch):
     rows, cols = 48, 256
