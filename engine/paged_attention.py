@@ -4,7 +4,9 @@ A layer's keys and values live in two pools of rows, `(n_blocks + 1) * block_siz
 values: position p of a sequence sits in row `table[slot, p // B] * B + p % B` (engine/kv_blocks.py hands out the
 blocks; the table is a stage-wide int32 tensor, one row of block ids per slot). The last block is the trash block:
 every table entry a slot does not own points there, so a padded prefill chunk's pad rows write somewhere harmless and
-a read past a sequence's own blocks reads finite data that the mask drops.
+a read past a sequence's own blocks reads finite data that the mask drops. On the CPU each block of the key pool is
+stored transposed ([block][value][position], `_k_at`): the same memory, so the scores kernel loads a block's positions
+of one value as one vector.
 
 A step's columns come in runs (one slot, consecutive positions; the run structure is the compiled shape, slot and
 start position are bound variables), so a column's slot and position are expressions of those variables: the
@@ -92,6 +94,13 @@ def _cpu_pairs(N: int, H: int) -> tuple[UOp, UOp, tuple[UOp, UOp]]:
     return pair // H, pair % H, (k, core)
 
 
+def _k_at(row: UOp, j: UOp | int, W: int, B: int, gpu: bool) -> UOp:
+    """Where value j of pool row `row` (= block * B + i) of the keys lives. GPUs: rows as they are. The CPU keeps
+    each block transposed, [block][j][i]: the scores kernel then reads a block's B positions of one value as one
+    contiguous vector load instead of B loads a row apart (3-4x faster at 64 positions, the same sums)."""
+    return row * W + j if gpu else (row // B) * (B * W) + j * B + row % B
+
+
 def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: int, gpu: bool, tag: str):
     def kernel_gpu(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
         # one launch axis over k's and v's values of a column (two sets of launch axes in one kernel ran the
@@ -112,7 +121,8 @@ def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: in
             c, j = UOp.range(N, 2 * i, _outer(gpu)), UOp.range(W, 2 * i + 1, _outer(gpu))
             slot, pos = _slot_pos(c, runs)
             row = _row(table, slot, pos, B, pool.shape[0] // W)
-            stores.append(pool[row * W + j].store(src[c, j + off].cast(pool.dtype)).end(j, c))
+            at = _k_at(row, j, W, B, gpu) if pool is pk else row * W + j
+            stores.append(pool[at].store(src[c, j + off].cast(pool.dtype)).end(j, c))
         return UOp.sink(*stores, arg=KernelInfo(name=f"kv_write_{tag}", opts_to_apply=()))
     return kernel_gpu if gpu else kernel
 
@@ -144,12 +154,11 @@ def _scores_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: 
         i = UOp.range(B, 3, AxisType.UPCAST)
         slot, pos = _slot_pos(c, runs)
         blk = table[slot, tb].cast(dtypes.int).maximum(0).minimum(pk.shape[0] // W // B - 1)
-        row = blk * B + i
         acc = UOp.placeholder((B + 1,), F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(tb, *ends)[i + 1].set(0.0)
         d = UOp.range(Hd, 4, AxisType.REDUCE)
-        acc = acc[i + 1].set(acc.after(d)[i + 1] + q[c, h * Hd + d] * pk[row * W + (h // G) * Hd + d].cast(F32),
-                             end=d)
+        k = pk[blk * (B * W) + ((h // G) * Hd + d) * B + i]  # the block transposed: B positions side by side
+        acc = acc[i + 1].set(acc.after(d)[i + 1] + q[c, h * Hd + d] * k.cast(F32), end=d)
         t = tb * B + i
         val = (t <= pos).where(acc[i + 1] * scale, float("-inf"))
         return s[c, h, t].store(val).end(i).end(tb, *ends).sink(
@@ -174,10 +183,16 @@ def _softmax_kernel(runs: Sequence[Run], ctx: UOp, H: int, gpu: bool, tag: str):
         m = m[0].set((t1 <= pos).where(m.after(t1)[0].maximum(s[c, h, t1]), m.after(t1)[0]), end=t1)
         t2 = UOp.range(ctx, 3, AxisType.REDUCE)
         e = (t2 <= pos).where(((s[c, h, t2] - m[0]) * LOG2E).exp2(), 0.0)
-        st = p[c, h, t2].store(e)
         tot = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
-        tot = tot.after(m)[0].set(0.0)
-        tot = tot.after(st)[0].set(tot.after(t2)[0] + e, end=t2)
+        if gpu:
+            st = p[c, h, t2].store(e)
+            tot = tot.after(m)[0].set(0.0)
+            tot = tot.after(st)[0].set(tot.after(t2)[0] + e, end=t2)
+        else:  # the exps in a loop of their own, which clang vectorizes; then their sum, in the same order
+            written = p.after(m)[c, h, t2].store(e).end(t2)
+            t3 = UOp.range(ctx, 4, AxisType.REDUCE)
+            tot = tot.after(written)[0].set(0.0)
+            tot = tot[0].set(tot.after(t3)[0] + p.after(written)[c, h, t3], end=t3)
         return inv[c, h].store(tot[0].reciprocal()).end(*ends).sink(
             arg=KernelInfo(name=f"attn_softmax_{tag}", opts_to_apply=()))
     return kernel
