@@ -71,6 +71,7 @@ def default_tile() -> int:
 
 
 TILE = default_tile()
+SLICES_PER_THREAD = int(os.environ.get("MESH_GEMM_SLICES", "4"))  # core slices a thread (see `slices`)
 UNROLL = int(os.environ.get("MESH_GEMM_UNROLL", "4"))  # values a step of the inner loop (see gemm_kernel)
 
 
@@ -131,6 +132,15 @@ def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: b
     return kernel
 
 
+def slices(groups: int, threads: int) -> int:
+    """How many core slices a GEMM's row groups are cut into: the largest divisor of `groups` not above
+    SLICES_PER_THREAD x threads. The step runner hands slices to whichever thread claims them (engine/cpu_runner.py),
+    so with more slices than threads a thread that the OS takes away for a while (a shared machine) holds back one
+    small slice, not half the kernel. A slice is whole row groups: outputs are bitwise the same for any count."""
+    limit = max(1, threads) * SLICES_PER_THREAD
+    return next(t for t in range(min(limit, groups), 0, -1) if groups % t == 0)
+
+
 def enabled(x_rows: int, device: str) -> bool:
     """Whether a matmul of x_rows columns on `device` takes the GEMM: more than one column, on the CPU.
     MESH_PREFILL_GEMM=0 keeps the matvec for every column count (A/B runs)."""
@@ -155,5 +165,5 @@ def gemm_t(rest: Tensor, halfs: Tensor, spec: BlockSpec, name: str, rows: int, t
         return parts[0].cat(*parts[1:], dim=0)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
-    fxn = gemm_kernel(name, spec, threads, tile, residual is not None)
+    fxn = gemm_kernel(name, spec, slices(rest.shape[0], threads), tile, residual is not None)
     return Tensor.custom_kernel(out, rest, halfs, x.contiguous(), *extra, fxn=fxn)[0]
