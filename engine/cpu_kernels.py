@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import KernelInfo
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import AxisType, KernelInfo
 
 F32 = dtypes.float32
 
@@ -34,3 +35,34 @@ def glu(gu: Tensor) -> Tensor:
         return gu[:, :F].silu() * gu[:, F:]
     out = Tensor.empty(gu.shape[0], F, dtype=F32, device=gu.device)
     return Tensor.custom_kernel(out, gu.cast(F32).contiguous(), fxn=_glu_kernel)[0]
+
+
+
+def _rms_norm_kernel(eps: float):
+    def kernel(out: UOp, x: UOp, w: UOp) -> UOp:
+        N, D = x.shape
+        R = next(r for r in (16, 8, 4, 2, 1) if N % r == 0)  # rows whose sums run side by side
+        ro, rl = UOp.range(N // R, 0), UOp.range(R, 1, AxisType.UPCAST)
+        acc = UOp.placeholder((R + 1,), F32, 0, addrspace=AddrSpace.REG)  # indexed from 1 (engine/quant_gemm.py)
+        acc = acc.after(ro)[rl + 1].set(0.0)
+        j = UOp.range(D, 2, AxisType.REDUCE)
+        xr = x[ro * R + rl, j]
+        acc = acc[rl + 1].set(acc.after(j)[rl + 1] + xr * xr, end=j)  # each row's sum of squares in order
+        s = UOp.placeholder((R + 1,), F32, 1, addrspace=AddrSpace.REG)
+        s = s.after(acc)[rl + 1].set((acc[rl + 1] * (1 / D) + eps).sqrt(), end=rl)
+        r2, j2 = UOp.range(R, 3), UOp.range(D, 4)
+        val = x[ro * R + r2, j2] / s[r2 + 1] * w[j2]  # (x / sqrt(mean + eps)) * w, as the Tensor expression
+        return out[ro * R + r2, j2].store(val).end(j2, r2).end(ro).sink(
+            arg=KernelInfo(name=f"rms_norm_{N}x{D}", opts_to_apply=()))
+    return kernel
+
+
+def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """x * (mean(x^2) + eps)^-1/2 * w over the last axis of x (N, D) -> float32, on the CPU in one kernel (the Tensor
+    expression is a reduce kernel summing one row at a time, a chain of dependent adds, and a second kernel); bitwise
+    what the Tensor expression gives (each row summed in order, the same operations after)."""
+    x = x.cast(F32)
+    if not str(x.device).startswith("CPU"):
+        return x * (x.square().mean(axis=-1, keepdim=True) + eps).sqrt().reciprocal() * w.cast(F32)
+    out = Tensor.empty(*x.shape, dtype=F32, device=x.device)
+    return Tensor.custom_kernel(out, x.contiguous(), w.cast(F32).contiguous(), fxn=_rms_norm_kernel(eps))[0]

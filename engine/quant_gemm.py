@@ -29,9 +29,9 @@ decode is amortized over all N columns. How the C has to look for clang to vecto
 The sum is the f32 path's: value = q * d + m in f32, times x, summed in order of the values; the matvec instead
 sums q * x per sub-block and scales once (llama.cpp's order). Both are exact to float rounding (the fidelity bench
 keeps the default's agreement with llama.cpp equal to f32's). A ragged last tile re-reads the last column and its
-extra sums are never stored. The RMS norm of the input (and silu(gate) * up) run as a small Tensor kernel before
-the GEMM: fused, they would be recomputed for every group of rows. Only the CPU takes this path (GPUs keep their
-matvec kernels), and one column (decode) keeps the matvec.
+extra sums are never stored. The RMS norm of the input (and silu(gate) * up) run as a small kernel before the GEMM
+(engine/cpu_kernels.py, bitwise the Tensor expressions): fused, they would be recomputed for every group of rows.
+Only the CPU takes this path (GPUs keep their matvec kernels), and one column (decode) keeps the matvec.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
+
+from . import cpu_kernels
 
 if TYPE_CHECKING:  # quant imports this module
     from .quant import BlockSpec
@@ -153,11 +155,10 @@ def gemm_t(rest: Tensor, halfs: Tensor, spec: BlockSpec, name: str, rows: int, t
     """x (N, cols) @ W.T -> (N, rows) f32 for W's resident blocks (rest, halfs); the same options as
     `QuantWeight.matmul_t`: an RMS norm of x by (weight, eps), silu(gate) * up of x = [gate | up], a residual."""
     x = x.cast(F32)
-    if glu:
-        C = x.shape[1] // 2
-        x = x[:, :C].silu() * x[:, C:]
-    if norm is not None:  # the matvec's fused form: x * 1/sqrt(mean(x^2) + eps) * weight
-        x = x * (x.square().mean(axis=-1, keepdim=True) + norm[1]).sqrt().reciprocal() * norm[0].cast(F32)
+    if glu:  # silu(gate) * up, bitwise the Tensor expression, as a plain loop (engine/cpu_kernels.py)
+        x = cpu_kernels.glu(x)
+    if norm is not None:  # x * 1/sqrt(mean(x^2) + eps) * weight, bitwise the Tensor expression, in one kernel
+        x = cpu_kernels.rms_norm_rows(x, norm[0], norm[1])
     if x.shape[0] > MAX_COLUMNS:  # the sums of all columns sit on the stack of each core's thread: bound them
         parts = [gemm_t(rest, halfs, spec, name, rows, threads, x[i:i + MAX_COLUMNS], tile=tile,
                         residual=None if residual is None else residual[i:i + MAX_COLUMNS])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor
 
-from engine.cpu_kernels import glu
+from engine.cpu_kernels import glu, rms_norm_rows
 from engine.replay import CpuReplay
 from engine.stage import Column, Stage
 from tests.tiny_gguf import write_tiny_gguf
@@ -26,6 +26,16 @@ def test_glu_is_bitwise_the_tensor_expression(n):
     want = (Tensor(gu)[:, :96].silu() * Tensor(gu)[:, 96:]).numpy()
     got = glu(Tensor(gu)).numpy()
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 24])
+def test_rms_norm_is_bitwise_the_tensor_expression(n):
+    rng = np.random.default_rng(10 + n)
+    x = (rng.standard_normal((n, 200)) * rng.choice([1e-3, 1, 50], (n, 1))).astype(np.float32)
+    w = rng.standard_normal(200).astype(np.float32)
+    xt = Tensor(x)
+    want = (xt * (xt.square().mean(axis=-1, keepdim=True) + 1e-6).sqrt().reciprocal() * Tensor(w)).numpy()
+    assert np.array_equal(rms_norm_rows(Tensor(x), Tensor(w), 1e-6).numpy(), want)
 
 
 def _prompt_logits(stage: Stage, tokens: list[int]) -> np.ndarray:
