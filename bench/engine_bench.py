@@ -122,7 +122,7 @@ def bench_engine(path: Path, prompt: list[int], n: int, weights: str, ctx: int) 
             "first_token_cold_s": cold_first, "first_token_warm_s": warm_first,
             "decode_tok_s": 1.0 / steady, "first_decode_steps_s": [round(x, 3) for x in cold_steps[:3]],
             "weight_mb": stage.weight_bytes / 1e6, "kv_mb": stage.kv_bytes / 1e6, "tokens": toks,
-            "deterministic": toks == toks2}
+            "deterministic": toks == toks2, "stage": stage}
 
 
 def bench_batched(path: Path, prompt: list[int], n: int, weights: str, ctx: int, batch: int) -> dict:
@@ -186,7 +186,29 @@ def bench_llama_cpp(path: Path, prompt: list[int], n: int, threads: int) -> dict
         next(iter(llm.generate(prompt64(prompt[rep:] + prompt[:rep]), top_k=1, temp=0.0, reset=True)))
         firsts.append(time.perf_counter() - t)
     return {"first_token_s": times[0], "decode_tok_s": 1.0 / statistics.median(times[1:]), "tokens": out,
-            "first64_s": min(firsts), "version": llama_cpp.__version__}
+            "first64_s": min(firsts), "version": llama_cpp.__version__, "llm": llm}
+
+
+def first64_interleaved(stage, llm, prompt: list[int], reps: int) -> tuple[list[float], list[float], list[float],
+                                                                          list[float]]:
+    """The first token of a 64-token prompt, the engine and llama.cpp alternately (a new rotation of the prompt each
+    round, the same ids for both): on a shared machine both see the same load, which drifts over a run. Returns
+    wall times and the calling thread's CPU times (all of the work when both run on one thread: `--threads 1` with
+    MESH_CPU_THREADS=1, a measure that the machine's other jobs barely move)."""
+    from engine.stage import Column
+    eng, ll, eng_cpu, ll_cpu = [], [], [], []
+    for rep in range(reps):
+        ids = prompt64(prompt[rep % len(prompt):] + prompt[:rep % len(prompt)])
+        stage.reset()
+        t, c = time.perf_counter(), time.thread_time()
+        stage.step([Column(i, 0, i == 63, tk) for i, tk in enumerate(ids)])
+        eng.append(time.perf_counter() - t)
+        eng_cpu.append(time.thread_time() - c)
+        t, c = time.perf_counter(), time.thread_time()
+        next(iter(llm.generate(ids, top_k=1, temp=0.0, reset=True)))
+        ll.append(time.perf_counter() - t)
+        ll_cpu.append(time.thread_time() - c)
+    return eng, ll, eng_cpu, ll_cpu
 
 
 def stage_depth(path: Path) -> int:
@@ -318,6 +340,8 @@ def main() -> None:
     ap.add_argument("--synthetic-prompt", type=int, default=0, metavar="N",
                     help="N random token ids as the prompt (a synthetic model has no text to tokenize)")
     ap.add_argument("--llama-bench", metavar="BIN", help="also run llama.cpp's llama-bench binary on the model")
+    ap.add_argument("--first-reps", type=int, default=8,
+                    help="rounds of the alternating 64-token first-token measurement (engine, then llama.cpp)")
     ap.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--coldstart", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -364,6 +388,16 @@ def main() -> None:
                 print(f"ratios          : decode engine/llama.cpp {eng['decode_tok_s'] / ll['decode_tok_s']:.3f} "
                       f"(goal >= 0.5 on 2 CPU cores); first token of a 64-token prompt engine {eng['first64_s']:.3f} s / "
                       f"llama.cpp {ll['first64_s']:.3f} s = {eng['first64_s'] / ll['first64_s']:.2f}x (goal <= 2)")
+                e, l, ec, lc = first64_interleaved(eng["stage"], ll["llm"], prompt, a.first_reps)
+                print(f"first token 64  : alternating, {a.first_reps} rounds: engine min {min(e):.3f} / median "
+                      f"{statistics.median(e):.3f} s, llama.cpp min {min(l):.3f} / median {statistics.median(l):.3f} s"
+                      f": {min(e) / min(l):.2f}x of the minima, {statistics.median(e) / statistics.median(l):.2f}x of "
+                      f"the medians (goal <= 2)")
+                from engine.cpu_runner import cpu_threads
+                if a.threads == 1 and cpu_threads() == 1:
+                    print(f"first token 64  : one thread each, CPU time: engine min {min(ec) * 1e3:.1f} / median "
+                          f"{statistics.median(ec) * 1e3:.1f} ms, llama.cpp min {min(lc) * 1e3:.1f} / median "
+                          f"{statistics.median(lc) * 1e3:.1f} ms: {min(ec) / min(lc):.2f}x of the minima")
     if a.llama_bench:
         lb = bench_llama_bench(a.llama_bench, a.model, a.tokens)
         if lb is not None:
