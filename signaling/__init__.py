@@ -7,11 +7,14 @@ Peer side: `open_rtc_endpoint(ice)` -> `RtcEndpoint`; `answer_signal(endpoint, S
 transport ladder.
 """
 
-from .endpoint import RtcEndpoint, Side, answer_signal, open_rtc_endpoint
+import importlib
+
 from .errors import HopError, IceConfigError, SignalingError
 from .ice import IceConfig
-from .ladder import climb
-from .relay import ControlLink, HopProgress, open_rtc_hop, relay_webrtc
+
+_LAZY = {**dict.fromkeys(("RtcEndpoint", "Side", "answer_signal", "open_rtc_endpoint"), ".endpoint"),
+         "climb": ".ladder",
+         **dict.fromkeys(("ControlLink", "HopProgress", "open_rtc_hop", "relay_webrtc"), ".relay")}
 
 __all__ = [
     "ControlLink",
@@ -28,3 +31,14 @@ __all__ = [
     "open_rtc_hop",
     "relay_webrtc",
 ]
+
+
+def __getattr__(name: str):
+    """Names are imported on first use (PEP 562): the submodules behind most of them import aiortc, which a process
+    that never opens a WebRTC hop should not pay for at start."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -9,11 +9,14 @@
 Callers bound every step with `trio.fail_after`; nothing here has a timeout parameter.
 """
 
-from .bridge import RtcBridge, open_rtc_bridge
-from .channel import DataChannelStream
+import importlib
+
 from .errors import BridgeClosedError, ChannelError, RtcError, SdpError
-from .peer import IceServer, RtcPeer, accept_offer, make_offer
-from .sdp import check_sdp
+from .servers import IceServer
+
+_LAZY = {**dict.fromkeys(("RtcBridge", "open_rtc_bridge"), ".bridge"), "DataChannelStream": ".channel",
+         "check_sdp": ".sdp",
+         **dict.fromkeys(("RtcPeer", "accept_offer", "make_offer"), ".peer")}
 
 __all__ = [
     "BridgeClosedError",
@@ -29,3 +32,14 @@ __all__ = [
     "make_offer",
     "open_rtc_bridge",
 ]
+
+
+def __getattr__(name: str):
+    """Names are imported on first use (PEP 562): the submodules behind most of them import aiortc, which a process
+    that never opens a WebRTC hop should not pay for at start."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -20,6 +19,7 @@ from .bridge import RtcBridge
 from .channel import DataChannelStream
 from .errors import ChannelError, RtcError, SdpError
 from .sdp import check_sdp
+from .servers import IceServer
 
 CHANNEL_LABEL = "mesh"
 # aiortc refuses messages over 256 KiB and a peer may announce less; 64 KiB is what every stack accepts.
@@ -30,15 +30,6 @@ LOW_WATER = 256 * 1024
 # After the trio side closed, how long to wait for the remote to confirm the stream reset (which proves our last
 # bytes arrived) before tearing the connection down anyway.
 CLOSE_GRACE_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class IceServer:
-    """One STUN or TURN server, as aiortc's RTCIceServer takes it (`stun:host:port`, `turn:host:port?...`)."""
-
-    url: str
-    username: str | None = None
-    credential: str | None = field(default=None, repr=False)  # kept out of logs
 
 
 class _LoopPeer:
