@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import math
 import os
 import secrets
@@ -150,7 +151,7 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
                       webrtc_hops=rtc_hops, token=token and token.encode(),
                       placement="memory")     # N equal stages on one box: the split's cost is what this measures
     coord = Coordinator(cfg)
-    procs = []
+    procs, died, logs = [], [], [Path(times_dir) / f"peer{i}.err" for i in range(peers)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env["MESH_STAGE_TIMES"] = times_dir
     env.update(extra_env)
@@ -160,19 +161,34 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
     try:
         async with trio.open_nursery() as nursery:
             await coord.serve_registry(nursery)
-            for _ in range(peers):
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "mesh", "peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                     "--model", str(model), *([] if token else ["--insecure-open"])], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True))
+            for i in range(peers):
+                with open(logs[i], "wb") as err:   # kept: a peer that dies at start is shown, not waited for
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "mesh", "peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
+                         "--model", str(model), *([] if token else ["--insecure-open"])], cwd=ROOT, env=env,
+                        stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+            watching = trio.CancelScope()
+
+            async def watch() -> None:   # a peer that dies before the fleet forms ends the wait, its stderr shown
+                with watching:
+                    while all(p.poll() is None for p in procs):
+                        await trio.sleep(0.5)
+                    died.extend(f"peer {i} (exit {p.poll()}): {logs[i].read_text(errors='replace')[-800:]}"
+                                for i, p in enumerate(procs) if p.poll() is not None)
+                    nursery.cancel_scope.cancel()
+            nursery.start_soon(watch)
             async with AsyncExitStack() as stack:
                 _fleet, pipe = await coord.form(nursery, stack)
+                watching.cancel()
                 pipe.peer_pids = [p.pid for p in procs]
                 yield pipe
             nursery.cancel_scope.cancel()
+        if died:
+            raise SystemExit("mesh_bench: a peer died before the fleet formed" + "".join(f"\n  {d}" for d in died))
     finally:
         for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):   # a peer that died alone left no group
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
@@ -315,5 +331,19 @@ async def main() -> None:
           f"load {os.getloadavg()[0]:.2f}")
 
 
+def _exit_of(group: BaseExceptionGroup) -> SystemExit | None:
+    """The first SystemExit inside trio's nursery groups (a bench's own one-line failure), if any."""
+    for e in group.exceptions:
+        found = _exit_of(e) if isinstance(e, BaseExceptionGroup) else e if isinstance(e, SystemExit) else None
+        if found is not None:
+            return found
+    return None
+
+
 if __name__ == "__main__":
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        if (exit_ := _exit_of(group)) is None:
+            raise
+        sys.exit(exit_.code)
