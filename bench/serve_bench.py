@@ -12,9 +12,8 @@ all n decode together for at least `--tokens` steps after the last one's prompt 
 - TTFT p50 / p95: arrival to first token, over the n streams (the prompts queue behind each other: under load);
 - busy (chain): the fraction of the window each stage spent computing a step (lock, worker step, forward send),
   from the peers' own step records; the pipeline's bubble is 1 minus that.
-A row "1, no companion" runs one stream with `batch_invariant=False` (the lone decode column alone, the matvec) to show
-what the scratch companion costs a single user. Tokens are checked: every stream of every row must equal the same
-prompt run alone in that mode.
+A lone stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the
+GEMM's order). Tokens are checked: every stream of every row must equal the same prompt run alone in that mode.
 """
 from __future__ import annotations
 
@@ -135,12 +134,12 @@ async def main() -> None:
     model = args.model or default_model_path()
     tok = Tokenizer.from_gguf(model)
     counts = [int(x) for x in args.streams.split(",")]
-    n_slots = max(counts) + 1
+    n_slots = max(counts)
     print(f"model {model.name}, streams {counts}, >= {args.tokens} decode steps together, context {CONTEXT}, "
           f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
     for mode in args.modes.split(","):
         stages_n = 1 if mode == "local" else 3
-        widths = max(2, math.ceil(max(counts) / stages_n))      # the widest decode batch the scheduler forms
+        widths = math.ceil(max(counts) / stages_n)      # the widest decode batch the scheduler forms
         opener = local_pipe if mode == "local" else chain_pipe
         t_load = time.monotonic()
         async with opener(model, n_slots, widths) as (pipe, stages):
@@ -151,26 +150,23 @@ async def main() -> None:
             all_ids = prompts(tok, max(counts))
             need = args.tokens + sum(math.ceil(len(p) / 16) for p in all_ids) + 1
             alone: dict[int, list[int]] = {}
-            one = matvec_one = None
-            rows = [("1, no companion", 1, False)] + [(str(n), n, True) for n in counts]
-            for label, n, invariant in rows:
+            one = None
+            for n in counts:
                 ids = all_ids[:n]
                 chunks = sum(math.ceil(len(p) / 16) for p in ids)
                 reqs = [Request(p, args.tokens + chunks + 1, Sampling(), frozenset()) for p in ids]
-                r = await run_streams(pipe, reqs, n_slots, batch_invariant=invariant)
+                r = await run_streams(pipe, reqs, n_slots)
                 for i, out in enumerate(r["tokens"]):      # each stream against its prompt alone (this mode)
                     if i not in alone:
                         alone[i] = (await run_streams(pipe, [Request(ids[i], need, Sampling(), frozenset())],
                                                       n_slots))["tokens"][0]
-                same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]) if invariant)
+                same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]))
                 if n == 1:
-                    one, matvec_one = (r["agg"], matvec_one) if invariant else (one, r["agg"])
-                x1 = f"{r['agg'] / one:6.2f}" if one and invariant else "     -"
-                print(f"{label:>16s} {r['agg']:9.2f} {x1} {r['per']:10.2f} {pct(r['ttft'], .5):8.2f}s "
+                    one = r["agg"]
+                x1 = f"{r['agg'] / one:6.2f}" if one else "     -"
+                print(f"{n:>16d} {r['agg']:9.2f} {x1} {r['per']:10.2f} {pct(r['ttft'], .5):8.2f}s "
                       f"{pct(r['ttft'], .95):6.2f}s  {busy(stages, r['ta'], r['tb']):<16s} "
-                      f"{('equal alone' if same else 'DIFFERENT') if invariant else '(matvec decode)'}"
-                      + (f"  {r['agg'] / matvec_one:.2f}x the matvec stream" if invariant and n > 1 else ""),
-                      flush=True)
+                      f"{'equal alone' if same else 'DIFFERENT'}", flush=True)
     print(f"\nload {os.getloadavg()[0]:.2f}", flush=True)
 
 

@@ -15,10 +15,11 @@ stay scalar: the old int8 path streamed ~1.5 GB/s that way. Scales read from ins
 a shift and a bitcast per row and block; apart, they are one vector load and conversion (3.7 -> 2.1 ms for a
 4096x4096 Q4_1 matvec on 2 cores).
 
-Each type's `dot` computes, for every row and block, the sum over the block of value * x, with value = q * d + m
-per sub-block: products of integer quants and x are summed within a sub-block first and scaled once, the order of
-llama.cpp's dot products. Quants of one byte plane (low nibbles, high nibbles) are multiplied with the matching
-slice of x rather than gathered into one array, which would cost a select per element. The layouts follow ggml's
+On the CPU a row's sum is one chain over its values in order, acc += (q * d + m) * x with value = q * d + m per
+sub-block in f32: the order of the prefill GEMM (engine/quant_gemm.py), so a column gets the same bits in a step of
+any width (batch invariance). The GPU matvecs sum q * x within a sub-block first and scale once (llama.cpp's
+order); they take every width one column at a time. Quants of one byte plane (low nibbles, high nibbles) are
+multiplied with the matching slice of x rather than gathered into one array, which would cost a select per element. The layouts follow ggml's
 (ggml-common.h); every type is checked against gguf's own numpy dequantizer in the tests.
 """
 from __future__ import annotations
@@ -50,7 +51,6 @@ HALF_FIELDS: dict[int, tuple[int, ...]] = {
 # Each type is described by how its block splits into sub-blocks and how to read one value: `q(byte, s, j)` is
 # the integer quant of value j of sub-block s (an int32 UOp; byte(k) loads rest byte k of this block and lane),
 # `scale` and `offset` give that sub-block's d and m (float UOps; half(i) is float16 field i), value = q * d + m.
-# The kernel sums q * x over a sub-block, then scales once: acc += d * sum(q * x) + m * sum(x).
 
 Load = Callable[[UOp], UOp]
 
@@ -130,6 +130,34 @@ class Fused:
 LOG2E = 1.4426950408889634
 
 
+def fused_input(x: UOp, n: UOp, C: int, fused: Fused, norm_w: UOp | None, resets: tuple[UOp, ...]):
+    """idx -> value idx of column n of the matvec's input, with `fused`'s norm or glu applied to x (N, C or 2C): the
+    same expressions, op for op, as the kernels the GEMM's input goes through first (engine/cpu_kernels.py: a row's
+    sum of squares in order, (x / sqrt(ss / C + eps)) * w; silu(gate) * up), so both multiply the same floats
+    (tests/test_engine_gemm.py checks it bitwise). The norm's sum of squares is a serial chain per column, its reset
+    tied to `resets` (the loops around)."""
+    if fused.norm is not None:
+        ss = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+        c = UOp.range(C, 60, AxisType.REDUCE)
+        ss = ss.after(*resets)[0].set(0.0)
+        ss = ss[0].set(ss.after(c)[0] + x[n, c] * x[n, c], end=c)
+        inv = (ss[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+
+    def xv(idx: UOp) -> UOp:
+        if fused.glu:
+            gate = x[n, idx]
+            return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
+        return x[n, idx] * inv * norm_w[idx] if fused.norm is not None else x[n, idx]
+    return xv
+
+
+# The CPU matvec sums in the prefill GEMM's order (engine/quant_gemm.py), so a column's result is bitwise the same
+# whether its step has one column (this kernel) or several (the GEMM): for each row, one chain over the values in
+# order, acc += (q * d + m) * x, each value decoded to f32 as the GEMM decodes it. That chain is serial (4 cycles
+# an FMA), so GROUPS groups of IL rows are worked on at once: independent chains in flight, same order per row.
+GROUPS = 4
+
+
 def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: Fused):
     def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = rest.shape
@@ -138,61 +166,59 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
         res = extra[-1] if fused.residual else None
         if gpu:  # a thread per row: lanes of a group read adjacent bytes, so the loads coalesce
             g, lane, ends = UOp.range(G, 0, AxisType.GLOBAL), UOp.range(il, 1, AxisType.LOCAL), ()
-            acc_lane, gi, core = UOp.const(0, dtypes.int), g, g
+            acc_lane, gi, core, u = UOp.const(0, dtypes.int), g, g, None
             n = UOp.range(N, 3)
         else:  # a thread per core: lanes become SIMD registers, independent accumulators with no reassociation.
             # Columns outside the row groups: the norm's sum of squares (a serial chain of C dependent adds, which
             # clang keeps scalar) runs once per column and core, not once per group (SmolLM2's head: 3072 times)
+            U = next(k for k in (GROUPS, 3, 2, 1) if k <= GROUPS and (G // threads) % k == 0)
             core, n = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(N, 1)
-            gi = UOp.range(G // threads, 2)
-            g, lane, ends = core * (G // threads) + gi, UOp.range(il, 3, AxisType.UPCAST), (gi, n, core)
-            acc_lane = lane + 1  # REG sums indexed from 1: see below
+            gi, u = UOp.range(G // threads // U, 2), UOp.range(U, 97, AxisType.UPCAST)
+            g, lane, ends = core * (G // threads) + gi * U + u, UOp.range(il, 3, AxisType.UPCAST), (gi, n, core)
+            acc_lane = u * il + lane + 1  # REG sums indexed from 1: see below
         # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
         # and a reset tied only to it would run once for the whole kernel
         outer = (n, g, lane) if gpu else (n, gi, core)
-        if norm_w is not None:
-            ss = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-            c = UOp.range(C, 60, AxisType.REDUCE)
-            ss = ss.after(*((n, g, lane) if gpu else (n, core)))[0].set(0.0)
-            ss = ss[0].set(ss.after(c)[0] + x[n, c] * x[n, c], end=c)
-            inv = (ss[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
-
-        def xv(idx: UOp) -> UOp:
-            if fused.glu:
-                gate = x[n, idx]
-                return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
-            return x[n, idx] * inv * norm_w[idx] if norm_w is not None else x[n, idx]
-
+        xv = fused_input(x, n, C, fused, norm_w, (n, g, lane) if gpu else (n, core))
         b = UOp.range(nb, 4, AxisType.REDUCE)
         byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
         half = lambda i: halfs[g, b, i, lane].cast(F32)
-        regs = (1,) if gpu else (il + 1,)
+        regs = (1,) if gpu else (U * il + 1,)
         acc = UOp.placeholder(regs, F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(*outer)[acc_lane].set(0.0)
         # sub-blocks are unrolled here, in Python: their shifts and byte offsets become constants (Q4_1 2x, Q4_K
-        # 5x faster than a loop over them), and each gets its own registers
-        term = None
-        for si in range(spec.sub):
-            s, rid = si, 5 + 2 * si  # a Python int: constant offsets that tinygrad can prove in bounds
-            j, j2 = UOp.range(spec.width, rid, AxisType.REDUCE), UOp.range(spec.width, rid + 1, AxisType.REDUCE)
-            base = b * E + si * spec.width
-            dot = UOp.placeholder(regs, F32, 1 + 2 * si, addrspace=AddrSpace.REG)
-            dot = dot.after(*outer, b)[acc_lane].set(0.0)
-            dot = dot[acc_lane].set(dot.after(j)[acc_lane] + spec.q(byte, s, j).cast(F32) * xv(base + j), end=j)
-            part = dot[acc_lane] * spec.scale(byte, half, s)
-            if spec.offset is not None:
-                xs = UOp.placeholder((1,), F32, 2 + 2 * si, addrspace=AddrSpace.REG)
-                xs = xs.after(*outer, b)[0].set(0.0)
-                xs = xs[0].set(xs.after(j2)[0] + xv(base + j2), end=j2)
-                part = part + xs[0] * spec.offset(byte, half, s)
-            term = part if term is None else term + part
-        acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b if gpu else (b, lane))
-        if not gpu:  # the results leave in a loop of their own
-            lane = UOp.range(il, 99)  # an id above every sub-block's (5 + 2 * sub + 1)
-            acc_lane = lane + 1
+        # 5x faster than a loop over them)
+        if not gpu:  # the GEMM's order: one chain per row through every value of every block
+            for si in range(spec.sub):
+                j = UOp.range(spec.width, 5 + 2 * si, AxisType.REDUCE)
+                w = spec.q(byte, si, j).cast(F32) * spec.scale(byte, half, si)
+                if spec.offset is not None:
+                    w = w + spec.offset(byte, half, si)
+                last = si == spec.sub - 1
+                acc = acc[acc_lane].set(acc.after(b, j)[acc_lane] + w * xv(b * E + si * spec.width + j),
+                                        end=(j, b, lane, u) if last else j)
+            lane, u = UOp.range(il, 99), UOp.range(U, 98)  # the results leave in loops of their own; ids above
+            acc_lane, g = u * il + lane + 1, core * (G // threads) + gi * U + u  # every sub-block's (5 + 2 * sub)
+        else:  # GPU (MESH_GPU_MV=naive): q * x summed per sub-block, scaled once (llama.cpp's order)
+            term = None
+            for si in range(spec.sub):
+                s, rid = si, 5 + 2 * si  # a Python int: constant offsets that tinygrad can prove in bounds
+                j, j2 = UOp.range(spec.width, rid, AxisType.REDUCE), UOp.range(spec.width, rid + 1, AxisType.REDUCE)
+                base = b * E + si * spec.width
+                dot = UOp.placeholder(regs, F32, 1 + 2 * si, addrspace=AddrSpace.REG)
+                dot = dot.after(*outer, b)[acc_lane].set(0.0)
+                dot = dot[acc_lane].set(dot.after(j)[acc_lane] + spec.q(byte, s, j).cast(F32) * xv(base + j), end=j)
+                part = dot[acc_lane] * spec.scale(byte, half, s)
+                if spec.offset is not None:
+                    xs = UOp.placeholder((1,), F32, 2 + 2 * si, addrspace=AddrSpace.REG)
+                    xs = xs.after(*outer, b)[0].set(0.0)
+                    xs = xs[0].set(xs.after(j2)[0] + xv(base + j2), end=j2)
+                    part = part + xs[0] * spec.offset(byte, half, s)
+                term = part if term is None else term + part
+            acc = acc[acc_lane].set(acc.after(b)[acc_lane] + term, end=b)
         row = g * il + lane
         store = out[n, row].store(acc[acc_lane] + res[n, row] if res is not None else acc[acc_lane])
-        store = store.end(lane, n, g) if gpu else store.end(lane).end(*ends)
+        store = store.end(lane, n, g) if gpu else store.end(lane, u).end(*ends)
         return store.sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}", opts_to_apply=()))
     return kernel
 
@@ -294,10 +320,10 @@ class QuantWeight:
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
         threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
+        fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once
             return quant_gemm.gemm_t(self.rest, self.halfs, SPECS[self.ggml_type], Q(self.ggml_type).name.lower(),
                                      self.shape[0], threads, x, norm=norm, glu=glu, residual=residual)
-        fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         rest = self.rest
         if gpu and os.environ.get("MESH_GPU_MV") != "naive":  # "naive": a thread per row (below), kept for A/B runs
             kernel = gpu_matvec_kernel(Q(self.ggml_type).name.lower(), self.ggml_type, SPECS[self.ggml_type], fused)

@@ -26,12 +26,13 @@ decode is amortized over all N columns. How the C has to look for clang to vecto
   * the decode's lane loop is a real loop, not an UPCAST: clang's loop vectorizer turns it into 8 bytes -> 8 floats
     per instruction group; unrolled lanes in a j loop were instead vectorized across j with byte gathers (5x slower).
 
-The sum is the f32 path's: value = q * d + m in f32, times x, summed in order of the values; the matvec instead
-sums q * x per sub-block and scales once (llama.cpp's order). Both are exact to float rounding (the fidelity bench
-keeps the default's agreement with llama.cpp equal to f32's). A ragged last tile re-reads the last column and its
-extra sums are never stored. The RMS norm of the input (and silu(gate) * up) run as a small kernel before the GEMM
-(engine/cpu_kernels.py, bitwise the Tensor expressions): fused, they would be recomputed for every group of rows.
-Only the CPU takes this path (GPUs keep their matvec kernels), and one column (decode) keeps the matvec.
+The sum is the f32 path's: value = q * d + m in f32, times x, one chain per row and column in order of the
+values; the CPU matvec (engine/quant.py) sums in exactly this order, so a column's result does not depend on how
+many columns its step has (batch invariance without padding a lone decode column). A ragged last tile re-reads the
+last column and its extra sums are never stored. The RMS norm of the input (and silu(gate) * up) run as a small
+kernel before the GEMM (engine/cpu_kernels.py: the same expressions the matvec evaluates inline, so both multiply
+the same floats): fused, they would be recomputed for every group of rows. Only the CPU takes this path (GPUs keep
+their per-column matvec kernels), and one column (decode) takes the matvec.
 """
 from __future__ import annotations
 

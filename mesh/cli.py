@@ -317,7 +317,6 @@ def coord_main(argv: list[str] | None = None) -> None:
     _logging(args.verbose)
     from engine.sources import default_model_path
     from mesh.coordinator import CoordConfig
-    from mesh.scheduler import slots_for    # --max-seqs sequences, and the scratch slot (NOTES Mesh "Scheduler")
 
     try:
         model = _resolve_model(args.model) if args.model else default_model_path()
@@ -333,7 +332,7 @@ def coord_main(argv: list[str] | None = None) -> None:
     cfg = CoordConfig(model=Path(model), listen=args.listen, token=token, min_peers=args.min_peers,
                       settle=args.settle, wait=args.wait, chain=args.chain, layers=args.layers, device=args.device,
                       auto_webrtc=args.auto_webrtc, webrtc_hops=args.webrtc_hops, max_context=args.max_context,
-                      warmup=args.warmup, ice=ice, n_slots=slots_for(args.max_seqs),
+                      warmup=args.warmup, ice=ice, n_slots=args.max_seqs,
                       stage_warmup=-1 if args.prompt is None and not args.chat else 0,
                       placement=args.placement)
     _run("mesh-coord", _run_coord, cfg, args)

@@ -57,7 +57,7 @@ class CoordConfig:
     auto_webrtc: bool = False
     webrtc_hops: tuple[int, ...] = ()
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
-    n_slots: int = 5                   # KV slots on every stage (Load): scheduler.slots_for(--max-seqs 4)
+    n_slots: int = 4                   # KV slots on every stage (Load): one a sequence (--max-seqs 4)
     max_context: int = 2048
     warmup: int = 1                    # decode widths the local stage compiles at load (Worker.load); 0: none
     identity: str = ""                 # the model's content identity (mesh.identity); "" = computed from `model`

@@ -1,6 +1,6 @@
 """Continuous batching through a chain: many sequences share the stages' KV slots and every step.
 
-    sched = Scheduler(pipe, n_slots=9, max_context=2048)
+    sched = Scheduler(pipe, n_slots=8, max_context=2048)
     nursery.start_soon(sched.run)
     async with sched.open(Request(prompt_ids, max_tokens=64, sampling=Sampling(), stop_ids=eos)) as g:
         async for tok in g:
@@ -12,8 +12,8 @@ sequences, each with its own Sampling) or one sequence's prefill chunk (at most 
 long prompt never holds the decoding streams for more than one chunk at a time). With S stages up to S micro-batches
 are in flight at once: in peer-to-peer mode stage 1 computes one while stage 2 computes the one before it.
 
-The decisions (admission, micro-batches, fairness, slot freeing, why a lone decode column gets a companion) are in
-NOTES.md, "Mesh", "Scheduler". The bookkeeping is a sans-IO core (`_Core`: admit, form, apply, release) that reads no
+The decisions (admission, micro-batches, fairness, slot freeing, why a sequence's tokens do not depend on who shares
+its steps) are in NOTES.md, "Mesh", "Scheduler". The bookkeeping is a sans-IO core (`_Core`: admit, form, apply, release) that reads no
 clock and awaits nothing; `Scheduler` drives it with one submitting task and one collecting task.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mesh.errors import MeshError, single_errors
 from mesh.pipeline import ChainPipeline, Pipeline
 
 __all__ = ["Request", "Generation", "Scheduler", "SchedulerStats", "SchedulerError", "QueueFull", "SchedulerStopped",
-           "slots_for", "decode_widths"]
+           "decode_widths"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -77,17 +77,9 @@ class SchedulerStats:
     stage_ms: tuple[float, ...] | None = None   # per stage, where the pipeline reports it
 
 
-def slots_for(max_seqs: int, *, batch_invariant: bool = True) -> int:
-    """KV slots every stage needs for `max_seqs` sequences: one more for the scratch companion (see `_Core`), which
-    a single sequence (always alone) does not need."""
-    return max_seqs + 1 if batch_invariant and max_seqs > 1 else max_seqs
-
-
-def decode_widths(n_slots: int, micro_batches: int, *, batch_invariant: bool = True) -> int:
+def decode_widths(n_slots: int, micro_batches: int) -> int:
     """The widest decode step the scheduler forms: what a stage's warmup should compile (widths 1..this)."""
-    if not batch_invariant or n_slots == 1:
-        return min(n_slots, math.ceil(n_slots / max(1, micro_batches)))
-    return min(n_slots, max(2, math.ceil((n_slots - 1) / max(1, micro_batches))))
+    return min(n_slots, math.ceil(n_slots / max(1, micro_batches)))
 
 
 # ---- the sans-IO core ------------------------------------------------------------------------------------------
@@ -120,9 +112,9 @@ class _Seq:
 
 @dataclass
 class _Batch:
-    """One micro-batch: its columns, the sequence of each column (None: the scratch companion), the sampling."""
+    """One micro-batch: its columns, the sequence of each column, the sampling."""
     cols: list[Column]
-    seqs: list[_Seq | None]
+    seqs: list[_Seq]
     sampling: Sampling | list[Sampling]
     kind: Literal["decode", "prefill"]
     submitted: float = 0.0
@@ -156,17 +148,14 @@ class _Blocks:
 
 class _Core:
     """Slots, the waiting queue and the choice of the next micro-batch. Pure bookkeeping: nothing here awaits.
+    A decode batch may have any width, one column included: the engine computes each column the same way whatever
+    its step's width (NOTES Engine "Prefill GEMM": the one-column matvec sums in the GEMM's order), so a sequence's
+    tokens do not depend on how many others share its steps."""
 
-    `scratch` is a slot no sequence ever holds: a decode batch of one column gets a second column there (position
-    0, token 0, its token dropped), so every decode step of every sequence runs the batched kernels, and a sequence's
-    tokens do not depend on how many others share its steps (NOTES "Scheduler": the one-column step uses the matvec,
-    several columns the GEMM, and the two differ in low bits)."""
-
-    def __init__(self, *, slots: Sequence[int], scratch: int | None, max_queue: int, depth: int,
-                 prefill_chunk: int, blocks: _Blocks | None = None):
+    def __init__(self, *, slots: Sequence[int], max_queue: int, depth: int, prefill_chunk: int,
+                 blocks: _Blocks | None = None):
         self.free: deque[int] = deque(slots)
         self.max_seqs = len(self.free)
-        self.scratch = scratch
         self.max_queue = max_queue
         self.depth = depth
         self.prefill_chunk = prefill_chunk
@@ -256,16 +245,13 @@ class _Core:
         whole chunks of `prefill_chunk` columns; the rest of a replay is fed as decode columns.
 
         A replay must compute what the failed chain computed, bit for bit, or the text after it could differ. Those
-        tokens were decode columns: with a scratch slot, steps of two columns or more (the GEMM), whose sums for a
-        column do not depend on the step's width or its companions (NOTES "Prefill GEMM", "Paged KV cache"). A
-        full chunk of `prefill_chunk` (the engine's bucket, 16) replayed columns runs the GEMM too, unpadded. A
-        shorter run would not always: the engine computes a run of 2-3 columns one matvec column at a time
-        (engine.stage.prefill_chunks), so the rest go as decode columns, the way they went the first time, sharing
-        steps with the other sequences. Without a scratch slot every decode column was a step alone, and so is every
-        replayed one. The prompt keeps its own chunks (cut at multiples of `prefill_chunk` and at its end), so its
-        tail runs the kernels it ran alone."""
+        tokens were decode columns; the engine computes a column to the same bits in a step of any width, prefill
+        chunks included (NOTES Engine "Prefill GEMM": the one-column matvec sums in the GEMM's order; "Paged KV
+        cache"), so whole chunks of `prefill_chunk` (the engine's bucket, 16) replayed columns are steps of 16, and
+        the rest go as decode columns, sharing steps with the other sequences. The prompt keeps its own chunks (cut
+        at multiples of `prefill_chunk` and at its end), so its tail runs the kernels it ran alone."""
         n, k = len(seq.req.prompt_ids), len(seq.req.replay)
-        return n + (k - k % self.prefill_chunk if self.scratch is not None else 0)
+        return n + k - k % self.prefill_chunk
 
     def _prefill(self, seq: _Seq) -> _Batch:
         """The next prefill chunk: the prompt's, cut at multiples of `prefill_chunk` from position 0 as when it is
@@ -284,17 +270,12 @@ class _Core:
 
     def _decode(self, seqs: list[_Seq]) -> _Batch:
         cols = [Column(s.pos, s.slot, True, s.next_tok) for s in seqs]
-        owners: list[_Seq | None] = list(seqs)
         samplings = [s.req.sampling for s in seqs]
-        if len(cols) == 1 and self.scratch is not None:
-            cols.append(Column(0, self.scratch, True, 0))
-            owners.append(None)
-            samplings.append(Sampling())
         for s in seqs:
             s.in_flight += 1
             s.next_tok = -1
         sampling = samplings if len(set(samplings)) > 1 else samplings[0]   # one per logits column, or one for all
-        return _Batch(cols, owners, sampling, "decode")
+        return _Batch(cols, list(seqs), sampling, "decode")
 
     def apply(self, batch: _Batch, tokens: Sequence[int]) -> list[tuple[_Seq, int | None, str | None]]:
         """A micro-batch's answer: one token per needs_logits column. Returns (seq, token to emit or None,
@@ -304,12 +285,12 @@ class _Core:
         if len(tokens) != len(picks):
             raise SchedulerError(f"a step of {len(batch.cols)} columns answered {len(tokens)} tokens for "
                                  f"{len(picks)} columns that need logits")
-        for s in set(s for s in batch.seqs if s is not None):
+        for s in set(batch.seqs):
             s.in_flight -= 1
         out = []
         self.tick += 1
         for s, tok in zip(picks, tokens):
-            if s is None or s.ending:
+            if s.ending:
                 continue
             tok = int(tok)
             if batch.kind == "decode":
@@ -400,8 +381,7 @@ class Generation:
 class Scheduler:
     """Continuous batching over a Pipeline.
 
-    n_slots: KV slots each stage was loaded with. With `batch_invariant` (default) and more than one slot, the last
-    one is a scratch slot (see `_Core`) and `max_seqs` defaults to n_slots - 1; otherwise to n_slots.
+    n_slots: KV slots each stage was loaded with; `max_seqs` (default n_slots) sequences use them at once.
     `micro_batches`: how many steps may be in flight (default: the number of stages in p2p mode, else 1: hub and
     local pipelines compute a step only when it is collected). `prefill_chunk`: prompt columns per prefill step (a
     multiple of the engine's prefill bucket keeps a prompt's chunks, and so its bits, the same as prefilling it
@@ -411,15 +391,12 @@ class Scheduler:
 
     def __init__(self, pipe: Pipeline, *, n_slots: int, max_context: int, max_queue: int = 64,
                  max_seqs: int | None = None, micro_batches: int | None = None, prefill_chunk: int = 16,
-                 batch_invariant: bool = True, vocab_size: int | None = None, kv_blocks: int | None = None,
-                 kv_block_size: int = 16):
+                 vocab_size: int | None = None, kv_blocks: int | None = None, kv_block_size: int = 16):
         if n_slots < 1:
             raise ValueError(f"n_slots={n_slots}: need at least 1")
-        batch_invariant = batch_invariant and n_slots > 1    # one slot: its sequence is always alone anyway
-        usable = n_slots - 1 if batch_invariant else n_slots
-        max_seqs = usable if max_seqs is None else max_seqs
-        if not 1 <= max_seqs <= usable:
-            raise ValueError(f"max_seqs={max_seqs} is outside [1, {usable}] for {n_slots} slots")
+        max_seqs = n_slots if max_seqs is None else max_seqs
+        if not 1 <= max_seqs <= n_slots:
+            raise ValueError(f"max_seqs={max_seqs} is outside [1, {n_slots}] for {n_slots} slots")
         if max_queue < 0 or prefill_chunk < 1 or max_context < 2:
             raise ValueError(f"bad scheduler limits: max_queue={max_queue}, prefill_chunk={prefill_chunk}, "
                              f"max_context={max_context}")
@@ -429,10 +406,8 @@ class Scheduler:
         self.max_context = max_context
         self.vocab_size = vocab_size
         blocks = _Blocks(kv_blocks, kv_block_size) if kv_blocks else None
-        if blocks is not None and batch_invariant:
-            blocks.reserved = 1                   # the scratch companion's one block (position 0)
-        self._core = _Core(slots=range(max_seqs), scratch=n_slots - 1 if batch_invariant else None, blocks=blocks,
-                           max_queue=max_queue, depth=max(1, micro_batches), prefill_chunk=prefill_chunk)
+        self._core = _Core(slots=range(max_seqs), blocks=blocks, max_queue=max_queue, depth=max(1, micro_batches),
+                           prefill_chunk=prefill_chunk)
         self._wake = trio.Event()
         self._running = False
         self._stopped: SchedulerStopped | None = None
@@ -466,8 +441,7 @@ class Scheduler:
             raise ValueError(f"the replay has {len(req.replay)} tokens; the request may generate only "
                              f"{gen._seq.limit}")
         gen._seq.resumed = resumed
-        if self._core.blocks is not None and self._core.blocks.need(gen._seq) > \
-                self._core.blocks.pool.n_blocks - (self._core.scratch is not None):
+        if self._core.blocks is not None and self._core.blocks.need(gen._seq) > self._core.blocks.pool.n_blocks:
             raise ValueError(f"the prompt and max_tokens need {self._core.blocks.need(gen._seq)} KV blocks of "
                              f"{self._core.blocks.block_size} positions; the stages hold "
                              f"{self._core.blocks.pool.n_blocks}")

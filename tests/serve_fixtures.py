@@ -11,7 +11,6 @@ import trio
 
 from mesh.coordinator import CoordConfig, Coordinator
 from mesh.peer import Peer, PeerConfig
-from mesh.scheduler import slots_for
 from mesh.serve.app import build_app
 from mesh.serve.service import Service, serve_http
 from tests.mesh_fixtures import free_port
@@ -79,7 +78,7 @@ class LiveServer:
         self._token = trio.lowlevel.current_trio_token()
         self.reg = reg = free_port()
         cfg = CoordConfig(model=self.model, listen=f"127.0.0.1:{reg}", token=TOKEN, min_peers=self.min_peers,
-                          settle=0.2, max_context=self.max_context, n_slots=slots_for(self.max_seqs))
+                          settle=0.2, max_context=self.max_context, n_slots=self.max_seqs)
         coord = Coordinator(cfg)
         self.service = Service(coord, max_seqs=self.max_seqs, max_queue=self.max_queue, api_key=self.api_key)
         async with trio.open_nursery() as nursery:

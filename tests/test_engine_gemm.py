@@ -1,6 +1,7 @@
 """The CPU prefill GEMM over resident GGUF blocks (engine/quant_gemm.py): every resident type against gguf's own
-dequantizer times numpy for column counts on and off the tile, its fused options against the matvec, and a stage's
-prefill against the same prompt decoded one column at a time."""
+dequantizer times numpy for column counts on and off the tile; every column bitwise equal to the one-column matvec
+(batch invariance: the two sum in one order), with the fused norm, glu and residual; and a stage's prefill bitwise
+equal to the same prompt decoded one column at a time."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -68,25 +69,31 @@ def test_tile_and_unroll_never_change_a_bit(qtype, monkeypatch):
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
 
 
-@pytest.mark.parametrize("fused", ["norm", "glu"])
-def test_gemm_fused_inputs_match_the_matvec(fused, monkeypatch):
-    rows, cols = 48, 256
-    w, _ = weight("Q4_K", rows, cols)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_column_equals_the_one_column_matvec_bitwise(qtype):
+    """Batch invariance of the CPU kernels: a column's result is the same bits whatever its step's width (the
+    matvec for one column, the GEMM for more, on and off the tile), with each fused option. 96 rows: 3 groups of 16
+    a core, so the matvec works on 3 row groups at once (its GROUPS fallback)."""
+    rows, cols = 96, 512
+    w, _ = weight(qtype, rows, cols)
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((5, 2 * cols if fused == "glu" else cols)).astype(np.float32)
-    nw = rng.standard_normal(cols).astype(np.float32)
-    kw = dict(norm=(Tensor(nw), 1e-5)) if fused == "norm" else dict(glu=True)
-    got = w.matmul_t(Tensor(x), **kw).numpy()
-    monkeypatch.setenv("MESH_PREFILL_GEMM", "0")  # the matvec, column by column
-    assert not quant_gemm.enabled(5, "CPU")
-    want = w.matmul_t(Tensor(x), **kw).numpy()
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for fused in ("norm", "glu", "residual"):
+        x = rng.standard_normal((6, 2 * cols if fused == "glu" else cols)).astype(np.float32)
+        r = rng.standard_normal((6, rows)).astype(np.float32)
+        kw = dict(norm=(Tensor(rng.standard_normal(cols).astype(np.float32)), 1e-5)) if fused == "norm" else \
+            dict(glu=True) if fused == "glu" else dict(residual=Tensor(r))
+        alone = np.stack([w.matmul_t(Tensor(x[i:i + 1]), **{k: (Tensor(r[i:i + 1]) if k == "residual" else v)
+                                                             for k, v in kw.items()}).numpy()[0] for i in range(6)])
+        for n in (2, 5, 6):
+            assert quant_gemm.enabled(n, "CPU")
+            kn = {k: (Tensor(r[:n]) if k == "residual" else v) for k, v in kw.items()}
+            assert w.matmul_t(Tensor(x[:n]), **kn).numpy().tobytes() == alone[:n].tobytes(), f"{fused}, {n} columns"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
 def test_stage_prefill_matches_decoding_column_by_column(tmp_path, qtype):
     """A prompt in one step (chunks through the GEMM) against the same prompt one column a step (the matvec):
-    the logits of every position and the KV the next step reads agree to float rounding."""
+    the logits of every position and the KV the next step reads are the same bits."""
     p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=2,
                         vocab_size=256, qtype=qtype, embed_qtype="Q8_0")
     prompt = [3, 17, 42, 7, 99, 5, 61, 200, 11, 8, 150, 33, 2, 90, 77, 14, 120, 9, 40, 250]  # 16 + 4 of 16
@@ -94,6 +101,6 @@ def test_stage_prefill_matches_decoding_column_by_column(tmp_path, qtype):
     b = Stage.load(p, 0, 2, n_slots=1, max_context=64)
     got = a.step_logits([Column(i, 0, True, t) for i, t in enumerate(prompt)])
     want = np.concatenate([b.step_logits([Column(i, 0, True, t)]) for i, t in enumerate(prompt)])
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert got.tobytes() == want.tobytes()
     nxt = [Column(len(prompt), 0, True, 64)]  # a decode step after either reads the KV the prefill wrote
-    np.testing.assert_allclose(a.step_logits(nxt), b.step_logits(nxt), rtol=0, atol=1e-4 * np.abs(want).max())
+    assert a.step_logits(nxt).tobytes() == b.step_logits(nxt).tobytes()

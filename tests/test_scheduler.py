@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 
-from common.values import Sampling
+from common.values import Column, Sampling
 from engine.stage import Stage
 from mesh import proto
 from mesh.coordinator import CoordConfig, Coordinator
@@ -22,7 +22,7 @@ from mesh.scheduler import QueueFull, Request, Scheduler, SchedulerStopped, _Cor
 from tests.mesh_fixtures import write_tiny_chat_model
 
 N_LAYERS = 3
-N_SLOTS = 9            # 8 sequences and the scratch slot
+N_SLOTS = 8            # 8 sequences, a slot each
 CONTEXT = 256
 TOKEN = b"scheduler-test-token"
 
@@ -127,7 +127,7 @@ async def test_eight_streams_unsharded_equal_each_stream_alone(local):
     assert peak >= 6                                  # they really shared steps
     for i, req in enumerate(reqs):
         assert together[i] == await run_alone(pipe, req), f"stream {i}"
-    assert local.stage._lengths[:N_SLOTS - 1] == [0] * (N_SLOTS - 1)   # every slot zeroed after use
+    assert local.stage._lengths[:N_SLOTS] == [0] * N_SLOTS   # every slot zeroed after use
 
 
 def sampled(reqs: list[Request]) -> list[Request]:
@@ -191,8 +191,8 @@ async def test_a_hundred_consumers_that_leave_mid_stream_hold_no_slot(local):
 
 
 async def test_a_small_kv_pool_admits_what_fits_and_tables_follow_the_sequences(local):
-    """The scheduler as the chain's block allocator (kv_blocks): 12 blocks of 16 positions (one for the scratch
-    slot) hold 3-4 of the 8 streams at once; the rest wait for blocks, not slots. Tables reach the stage ahead of
+    """The scheduler as the chain's block allocator (kv_blocks): 12 blocks of 16 positions hold 3-4 of the 8
+    streams at once; the rest wait for blocks, not slots. Tables reach the stage ahead of
     the steps that need them, and every stream's tokens equal its run alone with the stage's full pool."""
     pipe = LocalPipeline(local)
     reqs = streams()
@@ -203,7 +203,7 @@ async def test_a_small_kv_pool_admits_what_fits_and_tables_follow_the_sequences(
     assert together == alone
     assert 2 <= peak <= 4                                   # blocks, not the 8 slots, bounded admission
     assert local.tables and all(len(t) <= 12 and max(t) < 12 for _, t in local.tables)
-    assert local.stage.free_blocks == local.stage.kv_blocks - 1      # all back but the scratch slot's block
+    assert local.stage.free_blocks == local.stage.kv_blocks          # every block back
     sched = Scheduler(pipe, n_slots=N_SLOTS, max_context=CONTEXT, kv_blocks=12)
     with pytest.raises(ValueError, match="need 13 KV blocks of 16 positions; the stages hold 12"):
         sched.open(Request(tuple(range(3, 200)), 10))
@@ -217,7 +217,7 @@ class NoPipe(Pipeline):
 
 
 def test_the_bounded_queue_raises_queue_full():
-    sched = Scheduler(NoPipe(), n_slots=3, max_context=64, max_queue=2)
+    sched = Scheduler(NoPipe(), n_slots=2, max_context=64, max_queue=2)
     req = Request((1, 2, 3), 4, Sampling(), frozenset())
     for _ in range(4):                  # 2 take the free slots at once (before any step), 2 wait
         sched.open(req)
@@ -256,7 +256,7 @@ async def test_a_failing_pipeline_stops_every_generation():
 
 
 def test_a_long_prompt_never_holds_decoding_streams_for_more_than_one_chunk():
-    core = _Core(slots=range(4), scratch=4, max_queue=8, depth=1, prefill_chunk=16)
+    core = _Core(slots=range(4), max_queue=8, depth=1, prefill_chunk=16)
     decoding = [_Seq(None, Request((1,) * 3, 100), 100) for _ in range(2)]
     for s in decoding:
         core.enqueue(s)
@@ -277,7 +277,7 @@ def test_a_long_prompt_never_holds_decoding_streams_for_more_than_one_chunk():
 
 
 def test_decoding_streams_spread_over_the_micro_batches_in_flight():
-    core = _Core(slots=range(8), scratch=8, max_queue=8, depth=3, prefill_chunk=16)
+    core = _Core(slots=range(8), max_queue=8, depth=3, prefill_chunk=16)
     seqs = [_Seq(None, Request((1,), 100), 100) for _ in range(8)]
     for s in seqs:
         core.enqueue(s)
@@ -315,7 +315,7 @@ async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_
     alone = [await run_alone(LocalPipeline(local), r) for r in reqs]
     with trio.fail_after(300):
         async with three_peer_chain(model, N_SLOTS) as (pipe, kv_blocks):
-            # 3 micro-batches in flight; 6 slots keep every decode batch at 2 columns (fewer shapes to compile);
+            # 3 micro-batches in flight; 6 slots keep decode batches at 1-2 columns (fewer shapes to compile);
             # the scheduler hands out the KV blocks of the stages' pools (BlockTable down the chain)
             assert kv_blocks == N_SLOTS * CONTEXT // 16
             together, peak = await run_together(pipe, reqs, micro_batches=3, max_seqs=6, kv_blocks=kv_blocks)
@@ -324,11 +324,22 @@ async def test_eight_streams_over_a_three_peer_chain_equal_the_unsharded_engine_
         assert together[i] == alone[i], f"stream {i}"
 
 
-def test_slots_and_decode_widths_for_a_session():
-    from mesh.scheduler import decode_widths, slots_for
-    assert [slots_for(n) for n in (1, 2, 8)] == [1, 3, 9]          # a lone sequence needs no companion
-    assert slots_for(8, batch_invariant=False) == 8
-    assert decode_widths(9, 3) == 3 and decode_widths(9, 1) == 8 and decode_widths(3, 3) == 2
-    assert decode_widths(1, 1) == 1 and decode_widths(8, 3, batch_invariant=False) == 3
+def test_decode_widths_for_a_session():
+    from mesh.scheduler import decode_widths
+    assert decode_widths(8, 3) == 3 and decode_widths(8, 1) == 8 and decode_widths(3, 3) == 1
+    assert decode_widths(1, 1) == 1 and decode_widths(9, 3) == 3
     one = Scheduler(NoPipe(), n_slots=1, max_context=64)
-    assert one.stats().max_seqs == 1 and one._core.scratch is None
+    assert one.stats().max_seqs == 1
+
+
+def test_a_lone_decode_step_is_one_column():
+    """No companion: a sequence decoding alone gets steps of its one column (the engine's one-column matvec sums
+    in the GEMM's order, so its tokens equal those it gets in any batch: the 8-stream tests above)."""
+    core = _Core(slots=range(4), max_queue=8, depth=1, prefill_chunk=16)
+    seq = _Seq(None, Request((1, 2, 3), 5), 5)
+    core.enqueue(seq)
+    core.admit()
+    prompt = core.form()
+    assert prompt.kind == "prefill" and core.apply(prompt, [7]) == [(seq, 7, None)]
+    b = core.form()
+    assert (b.kind, b.cols, b.seqs) == ("decode", [Column(3, seq.slot, True, 7)], [seq])

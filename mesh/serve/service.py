@@ -26,7 +26,7 @@ from engine.errors import EngineError
 from mesh.errors import FleetError, HopError, MeshError, SessionError, single_errors
 from mesh.link import LinkError
 from mesh.proto import ProtoError
-from mesh.scheduler import Scheduler, SchedulerStopped, slots_for
+from mesh.scheduler import Scheduler, SchedulerStopped
 from transport import TransportError
 from mesh.session import open_session
 
@@ -145,8 +145,8 @@ class Service:
         self.api_key = api_key
         self.template = template
         self.max_seqs, self.max_queue = max_seqs, max_queue
-        if slots_for(max_seqs) > coord.cfg.n_slots:     # the stages hold cfg.n_slots (Load): the scheduler's room
-            raise ValueError(f"max_seqs {max_seqs} needs {slots_for(max_seqs)} KV slots; the coordinator's "
+        if max_seqs > coord.cfg.n_slots:     # the stages hold cfg.n_slots (Load): the scheduler's room
+            raise ValueError(f"max_seqs {max_seqs} needs {max_seqs} KV slots (one a sequence); the coordinator's "
                              f"configuration gives the stages {coord.cfg.n_slots}")
         self.max_context = coord.cfg.max_context
         self.model_id = Path(coord.cfg.model).name.removesuffix(".gguf")
