@@ -522,6 +522,7 @@ class Scheduler:
                 self._idle.set()
             elif self._idle.is_set():
                 self._idle = trio.Event()
+            seq = batch = None      # a loop variable would keep an ended sequence (and its client's) alive meanwhile
             await self._wake.wait()
 
     async def _collect(self, receive) -> None:
@@ -531,4 +532,5 @@ class Scheduler:
             self._step_ms.append((time.monotonic() - batch.submitted) * 1000)
             for seq, tok, reason in self._core.apply(batch, tokens):
                 seq.gen._emit(tok, reason)
+            seq = batch = None      # nothing of this step stays alive while the next one is awaited
             self._wake.set()
