@@ -103,8 +103,9 @@ async def test_replayed_streams_go_on_bitwise_as_if_nothing_failed(stage, seeded
             assert all(np.array_equal(a, b) for a, b in zip(rows, kv[i])), f"stream {i} after {k}: KV differs"
 
 
-async def test_a_replay_without_a_scratch_slot_goes_one_column_a_step(local):
-    """One slot (no companion): every decode column was a step alone, and so is every replayed one."""
+async def test_a_replay_in_one_slot_equals_the_answer(local):
+    """One slot: every decode column was a step alone; the replay's whole chunks are steps of 16 and its rest
+    steps alone, the same bits (the engine's columns do not depend on a step's width)."""
     pipe = LocalPipeline(local)
     req = streams()[1]
     sched_kw = dict(n_slots=1, max_context=CONTEXT)
@@ -125,9 +126,9 @@ async def test_a_replay_without_a_scratch_slot_goes_one_column_a_step(local):
 
 def test_replay_chunks_and_the_queue():
     """The core's cut of a replay (the prompt's chunks as alone, whole chunks of 16 replayed columns, the rest as
-    decode columns, each with the companion, their picks dropped) and a resumed request's place: ahead of new
-    ones, past the queue's bound."""
-    core = _Core(slots=range(2), scratch=2, max_queue=0, depth=1, prefill_chunk=16)
+    decode columns, their picks dropped) and a resumed request's place: ahead of new ones, past the queue's
+    bound."""
+    core = _Core(slots=range(2), max_queue=0, depth=1, prefill_chunk=16)
     replay = tuple(range(30, 49))                              # 19 tokens: one chunk of 16, then 3 decode columns
     seq = _Seq(None, Request(tuple(range(3, 20)), 40, Sampling(seed=9, temperature=0.5), replay=replay), 40)
     core.enqueue(seq)
@@ -138,10 +139,9 @@ def test_replay_chunks_and_the_queue():
         steps.append((b.kind, [(c.pos, c.slot, c.needs_logits, c.token) for c in b.cols]))
         core.apply(b, [7] * sum(c.needs_logits for c in b.cols))
     assert [(kind, len(cols)) for kind, cols in steps] == [("prefill", 16), ("prefill", 1), ("prefill", 16),
-                                                           ("decode", 2), ("decode", 2), ("decode", 2)]
+                                                           ("decode", 1), ("decode", 1), ("decode", 1)]
     assert not any(logits for _, cols in steps[:3] for *_, logits, _ in cols)
     assert [cols[0] for _, cols in steps[3:]] == [(33, 0, True, 46), (34, 0, True, 47), (35, 0, True, 48)]
-    assert all(cols[1][:2] == (0, 2) for _, cols in steps[3:])          # the scratch companion
     assert seq.emitted == 20 and seq.pos == 36 and seq.next_tok == 7  # only the last pick is the answer's
     waiting = [_Seq(None, Request((3,), 4), 4) for _ in range(3)]
     core.enqueue(waiting[0])                                   # slot 1 is free: this one may wait
