@@ -361,10 +361,10 @@ def _connection_tasks() -> int:
     return walk(trio.lowlevel.current_root_task())
 
 
-async def _settle() -> None:
-    """Until hypercorn has seen every hang-up and ended each connection's tasks."""
+async def _settle(tasks: int) -> None:
+    """Until hypercorn has seen every hang-up and ended those connections' tasks (`tasks`: as many as before)."""
     with trio.fail_after(60):
-        while _connection_tasks():
+        while _connection_tasks() > tasks:
             await trio.sleep(0.02)
 
 
@@ -401,13 +401,14 @@ def test_clients_that_disconnect_mid_stream_leave_no_slot_held(model, server, cl
                 server.run(_wait_idle, server.service)   # every hang-up freed its place
             return served
     # 48 clients first: what grows once and stays (imports, caches, bounded windows of step records) grows here
+    tasks = server.call(_connection_tasks)               # connections other tests' clients still keep alive
     assert asyncio.run(main(12)) == 48
-    server.run(_settle)
+    server.run(_settle, tasks)
     gc.collect()
     tracemalloc.start()
     try:
         assert asyncio.run(main(13)) == 52
-        server.run(_settle)
+        server.run(_settle, tasks)
         gc.collect()
         held = tracemalloc.get_traced_memory()[0]
     finally:
