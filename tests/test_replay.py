@@ -44,6 +44,16 @@ def replayed(req: Request, out: list[int], k: int) -> Request:
     return Request(req.prompt_ids, req.max_tokens, req.sampling, req.stop_ids, replay=tuple(out[:k]))
 
 
+def _rows(pool: np.ndarray, rows: list[int], B: int, keys: bool) -> np.ndarray:
+    """Pool rows as (len(rows), width): the CPU keeps each key block transposed, [block][value][position]
+    (engine/paged_attention.py `_k_at`)."""
+    if not keys:
+        return pool[rows]
+    W = pool.shape[-1]
+    blocks = pool.reshape(-1, W, B)                 # the same memory, each block [value][position]
+    return np.stack([blocks[r // B, :, r % B] for r in rows]) if rows else pool[:0]
+
+
 class Recording(InProcess):
     """The stage of InProcess, keeping each slot's KV rows (every layer, k and v) as they are when it is zeroed."""
 
@@ -56,7 +66,8 @@ class Recording(InProcess):
         table = st._pool.table(slot)
         rows = [table[p // st.kv_block_size] * st.kv_block_size + p % st.kv_block_size
                 for p in range(st._lengths[slot])]
-        self.kv[slot] = [t.numpy()[rows] for b in st._blocks for t in (b.pool_k, b.pool_v)]
+        self.kv[slot] = [_rows(t.numpy(), rows, st.kv_block_size, keys=t is b.pool_k)
+                         for b in st._blocks for t in (b.pool_k, b.pool_v)]
         await super().zero_slot(slot)
 
 
