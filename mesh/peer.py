@@ -41,6 +41,17 @@ log = logging.getLogger("mesh.peer")
 HANDSHAKE_SECONDS = 10.0
 _RING_KIND = {"f16": PayloadKind.ACT_F16, "f32": PayloadKind.ACT_F32}     # wire dtype -> worker ring kind
 _WIRE_DTYPE = {int(v): k for k, v in _RING_KIND.items()}
+
+
+def _ring_fields(hidden) -> tuple | None:
+    """(data, ring kind, dim) of a step's activations for the worker's record ((None, 0, 0) without any); None for
+    a dtype the ring does not carry."""
+    if hidden is None:
+        return None, 0, 0
+    kind = _RING_KIND.get(hidden.dtype)
+    if kind is None:
+        return None
+    return hidden.data, kind, (hidden.shape[-1] if hidden.shape else 0)
 _TOKENS = int(PayloadKind.TOKENS_I32)
 
 
@@ -265,14 +276,10 @@ class Peer:
         to the op loop. Never raises."""
         if type(ev) is not proto.BatchStep or link not in self._waiting or self.loaded is None or link in self._posted:
             return False
-        hidden = ev.hidden
-        if hidden is None:
-            data, kind, dim = None, 0, 0
-        else:
-            kind = _RING_KIND.get(hidden.dtype)
-            if kind is None:
-                return False
-            data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
+        ring = _ring_fields(ev.hidden)
+        if ring is None:
+            return False
+        data, kind, dim = ring
         t0 = time.perf_counter()
         try:
             self.compute.acquire_nowait()
@@ -507,14 +514,10 @@ class Peer:
             if isinstance(ev, proto.Step):
                 cols = [proto.Column(ev.pos + i, ev.slot, i == len(ev.tokens) - 1, t) for i, t in enumerate(ev.tokens)]
                 ev = proto.BatchStep(ev.group, False, tuple(cols), ev.hidden, ev.sampling)
-            hidden = ev.hidden
-            if hidden is None:
-                data, kind, dim = None, 0, 0
-            else:
-                kind = _RING_KIND.get(hidden.dtype)
-                if kind is None:
-                    raise ValueError(f"activations of dtype {hidden.dtype} cannot go to a worker (f16 or f32 only)")
-                data, dim = hidden.data, (hidden.shape[-1] if hidden.shape else 0)
+            ring = _ring_fields(ev.hidden)
+            if ring is None:
+                raise ValueError(f"activations of dtype {ev.hidden.dtype} cannot go to a worker (f16 or f32 only)")
+            data, kind, dim = ring
             # Uncontended (every decode step) the lock is taken without a pass through trio's scheduler; the
             # worker's wait for its reply is the checkpoint.
             try:

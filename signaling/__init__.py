@@ -7,7 +7,7 @@ Peer side: `open_rtc_endpoint(ice)` -> `RtcEndpoint`; `answer_signal(endpoint, S
 transport ladder.
 """
 
-import importlib
+from common.lazy import lazy_getattr
 
 from .errors import HopError, IceConfigError, SignalingError
 from .ice import IceConfig
@@ -32,13 +32,5 @@ __all__ = [
     "relay_webrtc",
 ]
 
-
-def __getattr__(name: str):
-    """Names are imported on first use (PEP 562): the submodules behind most of them import aiortc, which a process
-    that never opens a WebRTC hop should not pay for at start."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+# the submodules behind most names import aiortc: loaded on first use
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -9,7 +9,7 @@
 Callers bound every step with `trio.fail_after`; nothing here has a timeout parameter.
 """
 
-import importlib
+from common.lazy import lazy_getattr
 
 from .errors import BridgeClosedError, ChannelError, RtcError, SdpError
 from .servers import IceServer
@@ -33,13 +33,5 @@ __all__ = [
     "open_rtc_bridge",
 ]
 
-
-def __getattr__(name: str):
-    """Names are imported on first use (PEP 562): the submodules behind most of them import aiortc, which a process
-    that never opens a WebRTC hop should not pay for at start."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+# the submodules behind most names import aiortc: loaded on first use
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
