@@ -29,7 +29,9 @@ from __future__ import annotations
 import os
 
 from gguf import GGMLQuantizationType as Q
-from tinygrad import UOp, dtypes
+import numpy as np
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.device import Buffer
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
 
@@ -68,6 +70,63 @@ FAST = {  # ggml type -> (quant as float, offsets folded)
 }
 
 
+
+def _lane(e: UOp, vals: list, dtype) -> UOp:
+    """Lane e's entry of vals (e an unrolled range of 4): a chain of wheres that folds to one constant a lane."""
+    out = UOp.const(vals[-1], dtype)
+    for i in range(len(vals) - 2, -1, -1):
+        out = e.eq(i).where(UOp.const(vals[i], dtype), out)
+    return out
+
+
+def _placed(bits: UOp, pos: UOp, minus: UOp) -> UOp:
+    """bits = MAGIC | (v << pos) as a float is 2^23 + v 2^pos exactly: times 2^-pos (exact) minus (2^(23-pos) + z)
+    leaves v - z, exactly (one FFMA: its one rounding has nothing to round)."""
+    return bits.bitcast(F32) * pos + minus
+
+
+# The word decode (default where the blocks are read as words: il % 4 == 0): word k of a block holds byte k of 4
+# rows (lane e = byte e). The byte-wise decode above shifts each byte down, masks it, ORs the exponent in: 2.5-2.6
+# integer instructions a value in SASS (bench/matvec_sass.py), and Hopper issues integer logic at half the float
+# rate, so Q4_0 was integer-bound on the H200. Here a quant is masked where it lies in the word and the exponent
+# word m is OR'ed over it: one LOP3 a value, since m is read from memory (the magic word, an input the compiler
+# cannot fold: with two immediates, (w & 0xF0) | 0x4B000000, ptxas emits two instructions). Its place 2^pos is
+# taken out by the FFMA that removes 2^23, so the floats are the byte-wise decode's, bit for bit. Bits 23-31 do
+# not fit under the mantissa's 23: those quants are shifted down first (one SHF a word).
+def _q4_0_word(word: UOp, e: UOp, s: int, m: UOp) -> UOp:
+    """Nibble s of lane e's byte minus 8. Bits 4s + 8e in place for the nibbles below bit 20; the other three
+    (lane 2's high one, lane 3's) from word >> 12, at bits 8, 12 and 16."""
+    shifted = [False, False, s == 1, True]
+    pos = [4 * s + 8 * i - 12 * sh for i, sh in enumerate(shifted)]
+    src = (e < 3 - s).where(word, word >> 12)
+    bits = (src & _lane(e, [15 << p for p in pos], U32)) | m
+    return _placed(bits, _lane(e, [2.0 ** -p for p in pos], F32), _lane(e, [-(2.0 ** (23 - p) + 8) for p in pos], F32))
+
+
+def _q8_0_word(word: UOp, e: UOp, m: UOp, m80: UOp, m8000: UOp) -> UOp:
+    """Lane e's signed byte: lanes 0-1 in place, 2-3 from word >> 16; the sign bit flipped (q + 128) by the XOR
+    with MAGIC | 0x80 << pos (m80, m8000: read from memory too), in the same LOP3 as the mask."""
+    src = (e < 2).where(word, word >> 16)
+    lo = e.eq(0) | e.eq(2)
+    bits = (src & lo.where(UOp.const(0xFF, U32), UOp.const(0xFF00, U32))) ^ lo.where(m80, m8000)
+    return _placed(bits, lo.where(UOp.const(1.0, F32), UOp.const(2.0 ** -8, F32)),
+                   lo.where(UOp.const(-(2.0 ** 23 + 128), F32), UOp.const(-(2.0 ** 15 + 128), F32)))
+
+_MAGIC: dict[str, Tensor] = {}
+
+
+def magic_word(device: str) -> Tensor:
+    """The kernel's exponent words on `device`: MAGIC, MAGIC | 0x80, MAGIC | 0x8000 (uint32), inputs so that no
+    compiler folds them into immediates (ptxas splits even a computed MAGIC | 0x80 back into its parts). Written
+    straight into their buffer, not through a schedule: a jit capturing the first matvec captures no copy."""
+    if device not in _MAGIC:
+        buf = Buffer(device, 3, U32).allocate()
+        words = np.array([MAGIC, MAGIC | 0x80, MAGIC | 0x8000], np.uint32)
+        Device[buf.device].allocator._copyin(buf._buf, memoryview(words.view(np.uint8)))
+        _MAGIC[device] = Tensor(UOp.from_buffer(buf))
+    return _MAGIC[device]
+
+
 SMALL_ROWS = 8192  # matrices of at most this many rows (an 8B layer's q/k/v, o, down) may take their own layout
 
 
@@ -85,13 +144,16 @@ def gpu_layout(nb: int, width: int, rows: int = 0) -> tuple[int, int, int]:
 
 
 def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
-    """The kernel for custom_kernel(out (N, rows) f32, rest, halfs, x (N, cols or 2 cols with glu) f32, [norm
-    weight], [residual]); `spec` is engine.quant's BlockSpec of the type, `fused` its Fused."""
+    """The kernel for custom_kernel(out (N, rows) f32, rest, halfs, x (N, cols or 2 cols with glu) f32, magic_word(),
+    [norm weight], [residual]); `spec` is engine.quant's BlockSpec of the type, `fused` its Fused."""
     # MESH_GPU_CVT=cast: quants converted by casts (I2FP on Hopper) instead of the exponent trick, for A/B runs
-    fast = None if os.environ.get("MESH_GPU_CVT") == "cast" else FAST.get(ggml_type)
-    to_float = (lambda q: q.cast(F32)) if os.environ.get("MESH_GPU_CVT") == "cast" else _float_signed
+    cvt = os.environ.get("MESH_GPU_CVT", "")
+    fast = None if cvt == "cast" else FAST.get(ggml_type)
+    to_float = (lambda q: q.cast(F32)) if cvt == "cast" else _float_signed
+    # MESH_GPU_CVT=byte: the byte-wise decode for Q4_0 and Q8_0 too (the same floats, more instructions: A/B runs)
+    word_q = None if cvt in ("cast", "byte") else {Q.Q4_0: "q4_0", Q.Q8_0: "q8_0"}.get(ggml_type)
 
-    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, *extra: UOp) -> UOp:
+    def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = halfs.shape
         W = spec.width
         N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
@@ -121,6 +183,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
             return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
 
+        m = magic[0]  # MAGIC, read from memory: see the word decode
         bi = UOp.range(nb // (P * BU), 5, AxisType.REDUCE)
         acc = UOp.placeholder((il,), F32, 0, addrspace=AddrSpace.REG)
         acc = acc.after(*outer)[u].set(0.0)
@@ -133,6 +196,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         for ub in range(BU):
             b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
             if words:
+                word = lambda k, b=b: rest[g, b, k, w]
                 byte = lambda k, b=b: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
             else:
                 byte = lambda k, b=b: rest[g, b, k, u].cast(U32)
@@ -147,7 +211,12 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                     if norm_w is not None:
                         sq = x[n, base + jj] * x[n, base + jj] if sq is None else sq + x[n, base + jj] * x[n, base + jj]
                     xj = xv(base + jj)
-                    q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
+                    if words and word_q == "q4_0":
+                        q = _q4_0_word(word(jj), e, si, m)
+                    elif words and word_q == "q8_0":
+                        q = _q8_0_word(word(jj), e, m, magic[1], magic[2])
+                    else:
+                        q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
                     dot = q * xj if dot is None else dot + q * xj
                     xs = xj if xs is None else xs + xj
                 scale = spec.scale(bint, half, si)

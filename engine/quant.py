@@ -38,7 +38,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo
 from .cpu_runner import cpu_threads
 
 from engine import quant_gemm
-from engine.matvec_gpu import gpu_matvec_kernel
+from engine.matvec_gpu import gpu_matvec_kernel, magic_word
 
 F32 = dtypes.float32
 # byte offsets of each type's float16 fields inside its block; the remaining bytes keep their order
@@ -329,12 +329,14 @@ class QuantWeight:
             kernel = gpu_matvec_kernel(Q(self.ggml_type).name.lower(), self.ggml_type, SPECS[self.ggml_type], fused)
             if self.il % 4 == 0 and rest.uop.is_realized:
                 rest = _words(rest)
+            consts = [magic_word(str(self.rest.device))]
         else:
             kernel = _matvec_kernel(Q(self.ggml_type).name.lower(), SPECS[self.ggml_type], threads, gpu, fused)
+            consts = []
         out = Tensor.empty(x.shape[0], self.shape[0], dtype=F32, device=self.rest.device)
         extra = ([norm[0].cast(F32).contiguous()] if norm is not None else []) + \
                 ([residual.cast(F32).contiguous()] if residual is not None else [])
-        return Tensor.custom_kernel(out, rest, self.halfs, x.cast(F32).contiguous(), *extra, fxn=kernel)[0]
+        return Tensor.custom_kernel(out, rest, self.halfs, x.cast(F32).contiguous(), *consts, *extra, fxn=kernel)[0]
 
     def read_row(self, r: int) -> np.ndarray:
         """Row r's raw GGUF bytes, read back from the resident blocks (the embedding of a tied model)."""

@@ -99,3 +99,49 @@ def test_stage_with_glu_inside_ffn_down_matches_the_separate_kernel(tmp_path, mo
     want = logits["0"]
     np.testing.assert_allclose(logits["1"], want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert kernels["1"] == kernels["0"] - 2  # one a layer
+
+
+def _any_quants(qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Blocks with every quant value possible (random bytes), the scales of real blocks: Q4_0 and Q8_0 only."""
+    raw = blocks_of(qtype, rows, cols).copy()
+    per = {"Q4_0": 18, "Q8_0": 34}[qtype]
+    blocks = raw.reshape(rows, -1, per)
+    blocks[:, :, 2:] = np.random.default_rng(7).integers(0, 256, blocks[:, :, 2:].shape, dtype=np.uint8)
+    return raw
+
+
+def _run(raw, qtype, rows, cols, x, mode="plain") -> np.ndarray:
+    rest, halfs = repack(raw, Q[qtype], interleave_for(rows))
+    w = QuantWeight(Tensor(rest, device=DEV).realize(), Tensor(halfs, device=DEV).realize(), (rows, cols), Q[qtype])
+    kw = {"norm": (Tensor(np.linspace(-1, 1, cols, dtype=np.float32), device=DEV), 1e-5)} if mode == "norm" else {}
+    return w.matmul_t(Tensor(x, device=DEV), **kw).numpy()
+
+
+@pytest.mark.parametrize("qtype,rows,n,mode", [("Q4_0", 32, 2, "norm"), ("Q8_0", 32, 1, "plain"),
+                                               ("Q4_0", 4, 1, "plain"), ("Q8_0", 16, 3, "norm")])
+def test_word_decode_gives_the_byte_decodes_bits(qtype, rows, n, mode, monkeypatch):
+    """The word decode (quants masked in place under the exponent word, the place taken out by the FFMA) gives the
+    floats of the byte-wise decode (MESH_GPU_CVT=byte), so the same outputs, bit for bit, for every quant value."""
+    cols = 256
+    raw = _any_quants(qtype, rows, cols)
+    x = np.random.default_rng(3).standard_normal((n, cols)).astype(np.float32)
+    monkeypatch.setenv("MESH_GPU_CVT", "byte")
+    want = _run(raw, qtype, rows, cols, x, mode)
+    monkeypatch.delenv("MESH_GPU_CVT")
+    got = _run(raw, qtype, rows, cols, x, mode)
+    np.testing.assert_array_equal(got, want)
+    w_np = dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
+    if mode == "plain":  # and right: against float64
+        ref = x.astype(np.float64) @ w_np.T
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype,n", [("Q4_0", 5), ("Q8_0", 3)])
+def test_a_column_alone_and_in_a_batch_has_the_same_bits(qtype, n):
+    """The scheduler's contract on GPUs: a column's output does not depend on the columns beside it."""
+    rows, cols = 32, 256
+    raw = _any_quants(qtype, rows, cols)
+    x = np.random.default_rng(5).standard_normal((n, cols)).astype(np.float32)
+    batch = _run(raw, qtype, rows, cols, x, "norm")
+    for i in (0, n - 1):
+        np.testing.assert_array_equal(_run(raw, qtype, rows, cols, x[i:i + 1], "norm")[0], batch[i])

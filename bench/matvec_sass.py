@@ -1,0 +1,125 @@
+"""The GPU matvec (engine/matvec_gpu.py) rendered for CUDA and compiled for Hopper here, without a GPU: its SASS
+instruction mix per weight value of the block loop, so a kernel change is judged before any device time.
+
+    PATH=$PATH:/usr/local/cuda/bin:/tmp/nvd/nvidia/cu13/bin .venv/bin/python bench/matvec_sass.py \
+        --types Q4_0,Q8_0 --rows 256 --cols 4096 [--n 1,16] [--show]
+
+Needs nvcc (CUDA's compiler, to make a cubin for sm_90) and nvdisasm (the pip package nvidia-cuda-nvdisasm holds
+one). The kernel is built on tinygrad's PYTHON device as the engine builds it (QuantWeight.matmul_t), rendered by
+tinygrad's CUDA renderer, compiled by `nvcc -cubin -arch=sm_90` (the device compiles the same source through NVRTC
+to PTX and the driver's ptxas: the same compiler generation, not the same binary). The block loop is the innermost
+backward branch of the SASS; per weight value = its instructions / (values a thread decodes per pass).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str) -> tuple[str, str]:
+    from gguf import GGMLQuantizationType as Q
+    from tinygrad import Tensor
+    from tinygrad.codegen import to_program
+    from tinygrad.helpers import Target
+    from tinygrad.renderer.cstyle import CUDARenderer
+    from tinygrad.uop.ops import Ops
+    from engine.quant import QuantWeight, interleave_for, repack
+    from tests.test_engine_quant import blocks_of
+    rest, halfs = repack(blocks_of(qtype, rows, cols), Q[qtype], interleave_for(rows))
+    w = QuantWeight(Tensor(rest, device="PYTHON").realize(), Tensor(halfs, device="PYTHON").realize(), (rows, cols),
+                    Q[qtype])
+    x = Tensor(np.zeros((n, cols), np.float32), device="PYTHON").realize()
+    kw = {"norm": (Tensor(np.ones(cols, np.float32), device="PYTHON"), 1e-5)} if mode == "norm" else {}
+    lin, _ = w.matmul_t(x, **kw).linear_with_vars()
+    ast = next(u for u in lin.toposort() if u.op is Ops.SINK and getattr(u.arg, "name", "").startswith("mv_"))
+    prg = to_program(ast, CUDARenderer(Target.parse("CUDA:CUDA:sm_90"), use_nvcc=True))
+    return ast.arg.name, next(s.arg for s in prg.src if s.op is Ops.SOURCE)
+
+
+def sass(src: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cu").write_text(src)
+        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu", "-Xptxas", "-v"],
+                       check=True, capture_output=True, text=True)
+        regs = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu", "-Xptxas", "-v"],
+                              check=True, capture_output=True, text=True).stderr
+        out = subprocess.run(["nvdisasm", "-c", f"{d}/k.cubin"], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"Used (\d+) registers", regs)
+    return (m.group(1) if m else "?"), out
+
+
+def loop_mix(text: str) -> tuple[collections.Counter, int]:
+    """Opcodes of the innermost loop: the instructions between the shortest backward branch and its label."""
+    ins, labels = [], {}  # (address, line); label -> address of the next instruction
+    pending = []
+    for ln in text.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", ln.strip()):
+            pending.append(m.group(1))
+        elif m := re.search(r"/\*([0-9a-f]{4})\*/\s+(.*)", ln):
+            a = int(m.group(1), 16)
+            for lb in pending:
+                labels[lb] = a
+            pending = []
+            ins.append((a, m.group(2)))
+    best = None
+    for a, body in ins:
+        if (m := re.search(r"\bBRA\b.*\((\.L_x_\d+)\)", body)) and labels.get(m.group(1), a) < a:
+            if best is None or a - labels[m.group(1)] < best[1] - best[0]:
+                best = (labels[m.group(1)], a)
+    mix = collections.Counter()
+    for a, body in ins:
+        if best and best[0] <= a <= best[1]:
+            op = re.sub(r"^(@!?U?P\w+\s+)", "", body.strip()).split()[0].rstrip(";")
+            mix[op.split(".")[0]] += 1
+    return mix, (best[1] - best[0]) // 16 + 1 if best else 0
+
+
+INT = {"LOP3", "SHF", "IADD3", "IMAD", "PRMT", "BFE", "LEA", "ISETP", "IABS", "I2FP", "F2I", "IMNMX", "SEL", "BMSK"}
+FP = {"FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "FSEL", "FMNMX", "F2F"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_0,Q8_0")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--n", default="1", help="columns (batch) to render, comma separated")
+    ap.add_argument("--mode", default="plain", choices=["plain", "norm"])
+    ap.add_argument("--show", action="store_true", help="print the CUDA source and the loop's SASS")
+    a = ap.parse_args()
+    from engine.matvec_gpu import gpu_layout
+    from engine.quant import SPECS
+    from gguf import GGMLQuantizationType as Q
+    for qt in a.types.split(","):
+        spec = SPECS[Q[qt]]
+        for n in (int(v) for v in a.n.split(",")):
+            name, src = kernel_source(qt, a.rows, a.cols, n, a.mode)
+            regs, text = sass(src)
+            mix, _ = loop_mix(text)
+            nb = a.cols // (spec.sub * spec.width)
+            tw, p, bu = gpu_layout(nb, spec.width, a.rows)
+            vals = 16 * bu * spec.sub * (spec.width // tw)  # lanes x values a thread decodes per loop pass
+            tot = sum(mix.values())
+            i = sum(v for k, v in mix.items() if k in INT)
+            f = sum(v for k, v in mix.items() if k in FP)
+            print(f"{qt} n={n} {name}: {regs} registers; loop {tot} instructions for {vals} lane-values x {n} "
+                  f"columns: {tot / vals:.2f} a value ({i / vals:.2f} integer, {f / vals:.2f} float); "
+                  + " ".join(f"{k}:{v}" for k, v in mix.most_common()))
+            if a.show:
+                print(src)
+                print(text)
+
+
+if __name__ == "__main__":
+    main()
