@@ -127,6 +127,15 @@ def magic_word(device: str) -> Tensor:
     return _MAGIC[device]
 
 
+COLS = 4  # columns a thread block takes together (MESH_GPU_MV_COLS overrides)
+
+
+def gpu_cols(n: int) -> int:
+    """Columns a thread block of the matvec takes together, for n columns: each decoded quant is multiplied into
+    all of them. Not a numerical choice: a column's operations are the same in any tile (tested bitwise)."""
+    return max(1, min(n, int(os.environ.get("MESH_GPU_MV_COLS", COLS))))
+
+
 SMALL_ROWS = 8192  # matrices of at most this many rows (an 8B layer's q/k/v, o, down) may take their own layout
 
 
@@ -171,13 +180,18 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         w = UOp.range(il // 4, 3, AxisType.UPCAST) if words and il >= 8 else zero
         e = UOp.range(min(il, 4), 7, AxisType.UPCAST) if il > 1 else zero
         u = w * 4 + e if words and il >= 8 else e
-        n = UOp.range(N, 4)
+        NI = gpu_cols(N)  # columns a thread block takes together: each decoded quant used for all of them
+        no = UOp.range(-(-N // NI), 4)
+        cols = [no * NI + i if NI > 1 else no for i in range(NI)]
+        # a last tile past N repeats column N - 1 (same operations, so it stores the same bits there)
+        nx = [c if N % NI == 0 else (c < N).where(c, N - 1) for c in cols]
         threads = tuple(r for r in (jt, p) if r is not zero)
-        outer = (n, g, *threads)
+        outer = (no, g, *threads)
+        lanes = [v for v in (w, e) if v is not zero]
         S = P * TW  # partial sums of each row
         t = p * TW + jt if TW > 1 else p
 
-        def xv(idx: UOp) -> UOp:
+        def xv(n: UOp, idx: UOp) -> UOp:
             if fused.glu:
                 gate = x[n, idx]
                 return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
@@ -185,14 +199,17 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
 
         m = magic[0]  # MAGIC, read from memory: see the word decode
         bi = UOp.range(nb // (P * BU), 5, AxisType.REDUCE)
-        acc = UOp.placeholder((il,), F32, 0, addrspace=AddrSpace.REG)
-        acc = acc.after(*outer)[u].set(0.0)
-        if norm_w is not None:  # the squares of the x this thread reads, summed in the same loop
-            ss = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
-            ss = ss.after(*outer)[0].set(0.0)
+        # per column ci: il accumulators (and the sum of the squares of its x, for a fused norm)
+        accs = [UOp.placeholder((il,), F32, 0 if ci == 0 else 200 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
+        accs = [a.after(*outer)[u].set(0.0) for a in accs]
+        if norm_w is not None:
+            sss = [UOp.placeholder((1,), F32, 1 if ci == 0 else 300 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
+            sss = [a.after(*outer)[0].set(0.0) for a in sss]
         # per sub-block: J products summed, then the scale (and offset: times the sum of the x read); sub-blocks of
-        # one (scale, offset) are summed first. BU blocks a step, written out here: all their loads go first
-        term, sq = None, None
+        # one (scale, offset) are summed first. BU blocks a step, written out here: all their loads go first. The
+        # quant q does not depend on the column: one decode serves the NI columns (the same operations per column
+        # as alone, so the same bits)
+        terms, sqs = [None] * NI, [None] * NI
         for ub in range(BU):
             b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
             if words:
@@ -202,101 +219,115 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 byte = lambda k, b=b: rest[g, b, k, u].cast(U32)
             half = lambda i, b=b: halfs[g, b, i, u].cast(F32)
             bint = lambda k, byte=byte: byte(k).cast(dtypes.int)
-            groups: dict[tuple, list] = {}
+            groups: list[dict[tuple, list]] = [{} for _ in range(NI)]
             for si in range(spec.sub):
                 base = b * E + si * W
-                dot, xs = None, None
+                dots, xss = [None] * NI, [None] * NI
                 for jv in range(J):
                     jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
-                    if norm_w is not None:
-                        sq = x[n, base + jj] * x[n, base + jj] if sq is None else sq + x[n, base + jj] * x[n, base + jj]
-                    xj = xv(base + jj)
                     if words and word_q == "q4_0":
                         q = _q4_0_word(word(jj), e, si, m)
                     elif words and word_q == "q8_0":
                         q = _q8_0_word(word(jj), e, m, magic[1], magic[2])
                     else:
                         q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
-                    dot = q * xj if dot is None else dot + q * xj
-                    xs = xj if xs is None else xs + xj
+                    for ci, n in enumerate(nx):
+                        if norm_w is not None:
+                            sq = x[n, base + jj] * x[n, base + jj]
+                            sqs[ci] = sq if sqs[ci] is None else sqs[ci] + sq
+                        xj = xv(n, base + jj)
+                        dots[ci] = q * xj if dots[ci] is None else dots[ci] + q * xj
+                        xss[ci] = xj if xss[ci] is None else xss[ci] + xj
                 scale = spec.scale(bint, half, si)
                 offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
-                if (scale, offset) in groups:
-                    groups[(scale, offset)][0] += dot
-                    groups[(scale, offset)][1] += xs
-                else:
-                    groups[(scale, offset)] = [dot, xs]
-            for (scale, offset), (dot, xs) in groups.items():
-                part = dot * scale if offset is None else dot * scale + xs * offset
-                term = part if term is None else term + part
-        step = acc[u].store(acc.after(bi)[u] + term)
+                for ci in range(NI):
+                    if (scale, offset) in groups[ci]:
+                        groups[ci][(scale, offset)][0] += dots[ci]
+                        groups[ci][(scale, offset)][1] += xss[ci]
+                    else:
+                        groups[ci][(scale, offset)] = [dots[ci], xss[ci]]
+            for ci in range(NI):
+                for (scale, offset), (dot, xs) in groups[ci].items():
+                    part = dot * scale if offset is None else dot * scale + xs * offset
+                    terms[ci] = part if terms[ci] is None else terms[ci] + part
+        steps = [a[u].store(a.after(bi)[u] + terms[ci]) for ci, a in enumerate(accs)]
         if norm_w is not None:  # one loop end for both sums (two ends of one range are two loops)
-            step = UOp.group(step, ss[0].store(ss.after(bi)[0] + sq))
-        step = step.end(bi, *[v for v in (w, e) if v is not zero])  # the lanes too: the squares have none
-        acc = acc.after(step)
+            steps += [a[0].store(a.after(bi)[0] + sqs[ci]) for ci, a in enumerate(sss)]
+        step = (UOp.group(*steps) if len(steps) > 1 else steps[0]).end(bi, *lanes)  # the squares have no lanes
+        accs = [a.after(step) for a in accs]
         if norm_w is not None:
-            ss = ss.after(step)
-        # the S partial sums of each row (and of the squares) through shared memory, added in two rounds
+            sss = [a.after(step) for a in sss]
+        # the S partial sums of each row (and of the squares) through shared memory, added in two rounds, one column
+        # after the other: smem is reused, each column's stores after the last column's round 1 (a barrier)
         smem = UOp.placeholder((S * il,), F32, 100, addrspace=AddrSpace.LOCAL)
-        parts = smem[t * il + u].store(acc[u]).end(*[v for v in (w, e) if v is not zero])
-        if norm_w is not None:
-            ssm = UOp.placeholder((S,), F32, 101, addrspace=AddrSpace.LOCAL)
-            parts = UOp.group(parts, ssm[t].store(ss[0]))
-        if S % il == 0 and S > il:
-            # round 1: thread t sums the il partials (q + Q i) * il + t % il (q = t // il, Q = S / il) of row t % il;
-            # round 2: the first il threads sum the Q of their row. Chains of il + Q adds instead of S
-            Qn = S // il
-            rA, qA = t % il, t // il
-            sa = UOp.placeholder((1,), F32, 70, addrspace=AddrSpace.REG)
-            i1 = UOp.range(il, 71, AxisType.REDUCE)
-            sa = sa.after(*outer, parts)[0].set(0.0)
-            sa = sa[0].set(sa.after(i1)[0] + smem.after(parts)[(qA + i1 * Qn) * il + rA], end=i1)
-            smem2 = UOp.placeholder((S,), F32, 102, addrspace=AddrSpace.LOCAL)
-            parts2 = smem2[t].store(sa[0])
+        stores, prev = [], None
+        for ci in range(NI):
+            sm = smem if prev is None else smem.after(prev)
+            parts = sm[t * il + u].store(accs[ci][u]).end(*lanes)
             if norm_w is not None:
-                sb = UOp.placeholder((1,), F32, 72, addrspace=AddrSpace.REG)
-                i2 = UOp.range(il, 73, AxisType.REDUCE)
-                sb = sb.after(*outer, parts)[0].set(0.0)
-                sb = sb[0].set(sb.after(i2)[0] + ssm.after(parts)[qA + i2 * Qn], end=i2)
-                ssm2 = UOp.placeholder((S,), F32, 103, addrspace=AddrSpace.LOCAL)
-                parts2 = UOp.group(parts2, ssm2[t].store(sb[0]))
-            ok = t < il
-            r = ok.where(t, 0)
-            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-            s2 = UOp.range(Qn, 61, AxisType.REDUCE)
-            tot = tot.after(*outer, parts2)[0].set(0.0)
-            tot = tot[0].set(tot.after(s2)[0] + smem2.after(parts2)[s2 * il + r], end=s2)
-            y, K = tot[0], 1
-            if norm_w is not None:
-                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
-                s3 = UOp.range(Qn, 63, AxisType.REDUCE)
-                sq = sq.after(*outer, parts2)[0].set(0.0)
-                sq = sq[0].set(sq.after(s3)[0] + ssm2.after(parts2)[s3 * il], end=s3)
-                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
-        else:  # few threads: thread t finishes rows t, t + S, ..., each the sum of its S partials
-            K = -(-il // S)
-            kk = UOp.range(K, 64) if K > 1 else zero
-            fin = (*outer, kk) if K > 1 else outer
-            r = kk * S + t if K > 1 else t
-            ok = r < il
-            r = ok.where(r, 0)
-            tot = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-            s2 = UOp.range(S, 61, AxisType.REDUCE)
-            tot = tot.after(*fin, parts)[0].set(0.0)
-            tot = tot[0].set(tot.after(s2)[0] + smem.after(parts)[s2 * il + r], end=s2)
-            y = tot[0]
-            if norm_w is not None:
-                sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
-                s3 = UOp.range(S, 63, AxisType.REDUCE)
-                sq = sq.after(*fin, parts)[0].set(0.0)
-                sq = sq[0].set(sq.after(s3)[0] + ssm.after(parts)[s3], end=s3)
-                y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
-        row = g * il + r
-        if res is not None:
-            y = y + res[n, row]
-        store = out[n, row.valid(ok)].store(y)
-        if K > 1:
-            store = store.end(kk)
-        return store.end(n, g, *threads).sink(arg=KernelInfo(name=f"mv_{name}_{G}x{il}_{nb}_t{TW}p{P}u{BU}",
-                                                             opts_to_apply=()))
+                ssm = UOp.placeholder((S,), F32, 101 + 1000 * ci, addrspace=AddrSpace.LOCAL)
+                parts = UOp.group(parts, ssm[t].store(sss[ci][0]))
+            if S % il == 0 and S > il:
+                # round 1: thread t sums the il partials (q + Q i) * il + t % il (q = t // il, Q = S / il) of row t % il;
+                # round 2: the first il threads sum the Q of their row. Chains of il + Q adds instead of S
+                Qn = S // il
+                rA, qA = t % il, t // il
+                sa = UOp.placeholder((1,), F32, 70 + 1000 * ci, addrspace=AddrSpace.REG)
+                i1 = UOp.range(il, 71 + 1000 * ci, AxisType.REDUCE)
+                sa = sa.after(*outer, parts)[0].set(0.0)
+                sa = sa[0].set(sa.after(i1)[0] + smem.after(parts)[(qA + i1 * Qn) * il + rA], end=i1)
+                smem2 = UOp.placeholder((S,), F32, 102 + 1000 * ci, addrspace=AddrSpace.LOCAL)
+                parts2 = smem2[t].store(sa[0])
+                if norm_w is not None:
+                    sb = UOp.placeholder((1,), F32, 72 + 1000 * ci, addrspace=AddrSpace.REG)
+                    i2 = UOp.range(il, 73 + 1000 * ci, AxisType.REDUCE)
+                    sb = sb.after(*outer, parts)[0].set(0.0)
+                    sb = sb[0].set(sb.after(i2)[0] + ssm.after(parts)[qA + i2 * Qn], end=i2)
+                    ssm2 = UOp.placeholder((S,), F32, 103 + 1000 * ci, addrspace=AddrSpace.LOCAL)
+                    parts2 = UOp.group(parts2, ssm2[t].store(sb[0]))
+                prev = parts2
+                ok = t < il
+                r = ok.where(t, 0)
+                tot = UOp.placeholder((1,), F32, 60 + 1000 * ci, addrspace=AddrSpace.REG)
+                s2 = UOp.range(Qn, 61 + 1000 * ci, AxisType.REDUCE)
+                tot = tot.after(*outer, parts2)[0].set(0.0)
+                tot = tot[0].set(tot.after(s2)[0] + smem2.after(parts2)[s2 * il + r], end=s2)
+                y, K = tot[0], 1
+                if norm_w is not None:
+                    sq = UOp.placeholder((1,), F32, 62 + 1000 * ci, addrspace=AddrSpace.REG)
+                    s3 = UOp.range(Qn, 63 + 1000 * ci, AxisType.REDUCE)
+                    sq = sq.after(*outer, parts2)[0].set(0.0)
+                    sq = sq[0].set(sq.after(s3)[0] + ssm2.after(parts2)[s3 * il], end=s3)
+                    y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+                kk = zero
+            else:  # few threads: thread t finishes rows t, t + S, ..., each the sum of its S partials
+                K = -(-il // S)
+                kk = UOp.range(K, 64 + 1000 * ci) if K > 1 else zero
+                fin = (*outer, kk) if K > 1 else outer
+                r = kk * S + t if K > 1 else t
+                ok = r < il
+                r = ok.where(r, 0)
+                tot = UOp.placeholder((1,), F32, 60 + 1000 * ci, addrspace=AddrSpace.REG)
+                s2 = UOp.range(S, 61 + 1000 * ci, AxisType.REDUCE)
+                tot = tot.after(*fin, parts)[0].set(0.0)
+                tot = tot[0].set(tot.after(s2)[0] + smem.after(parts)[s2 * il + r], end=s2)
+                y = tot[0]
+                if norm_w is not None:
+                    sq = UOp.placeholder((1,), F32, 62 + 1000 * ci, addrspace=AddrSpace.REG)
+                    s3 = UOp.range(S, 63 + 1000 * ci, AxisType.REDUCE)
+                    sq = sq.after(*fin, parts)[0].set(0.0)
+                    sq = sq[0].set(sq.after(s3)[0] + ssm.after(parts)[s3], end=s3)
+                    y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+                # the next column's stores wait for these loads: its smem is its own (few threads: small)
+                smem = UOp.placeholder((S * il,), F32, 100 + 1000 * (ci + 1), addrspace=AddrSpace.LOCAL)
+            row = g * il + r
+            if res is not None:
+                y = y + res[nx[ci], row]
+            # a repeat of column N - 1 stores the same bits again there (a gate on the column was lost in tinygrad's
+            # index simplification: the store landed in column n - NI)
+            st = out[nx[ci], row.valid(ok)].store(y)
+            stores.append(st.end(kk) if K > 1 else st)
+        store = UOp.group(*stores) if len(stores) > 1 else stores[0]
+        return store.end(no, g, *threads).sink(arg=KernelInfo(
+            name=f"mv_{name}_{G}x{il}_{nb}_t{TW}p{P}u{BU}" + (f"c{NI}" if NI > 1 else ""), opts_to_apply=()))
     return kernel

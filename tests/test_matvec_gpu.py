@@ -117,7 +117,7 @@ def _run(raw, qtype, rows, cols, x, mode="plain") -> np.ndarray:
     return w.matmul_t(Tensor(x, device=DEV), **kw).numpy()
 
 
-@pytest.mark.parametrize("qtype,rows,n,mode", [("Q4_0", 32, 2, "norm"), ("Q8_0", 32, 1, "plain"),
+@pytest.mark.parametrize("qtype,rows,n,mode", [("Q4_0", 16, 2, "norm"), ("Q8_0", 32, 1, "plain"),
                                                ("Q4_0", 4, 1, "plain"), ("Q8_0", 16, 3, "norm")])
 def test_word_decode_gives_the_byte_decodes_bits(qtype, rows, n, mode, monkeypatch):
     """The word decode (quants masked in place under the exponent word, the place taken out by the FFMA) gives the
@@ -136,12 +136,17 @@ def test_word_decode_gives_the_byte_decodes_bits(qtype, rows, n, mode, monkeypat
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype,n", [("Q4_0", 5), ("Q8_0", 3)])
-def test_a_column_alone_and_in_a_batch_has_the_same_bits(qtype, n):
-    """The scheduler's contract on GPUs: a column's output does not depend on the columns beside it."""
-    rows, cols = 32, 256
+@pytest.mark.parametrize("qtype,n,tile", [("Q4_0", 5, "4"), ("Q8_0", 3, "2"), ("Q4_0", 2, "1")])
+def test_a_column_alone_and_in_a_batch_has_the_same_bits(qtype, n, tile, monkeypatch):
+    """The scheduler's contract on GPUs: a column's output does not depend on the columns beside it, also when a
+    thread block takes several columns together (MESH_GPU_MV_COLS: one decode for all; a last tile past the
+    batch repeats its last column) or one (the tile of 1, the old kernel)."""
+    monkeypatch.setenv("MESH_GPU_MV_COLS", tile)
+    rows, cols = 16, 256
     raw = _any_quants(qtype, rows, cols)
     x = np.random.default_rng(5).standard_normal((n, cols)).astype(np.float32)
     batch = _run(raw, qtype, rows, cols, x, "norm")
     for i in (0, n - 1):
         np.testing.assert_array_equal(_run(raw, qtype, rows, cols, x[i:i + 1], "norm")[0], batch[i])
+    monkeypatch.setenv("MESH_GPU_MV_COLS", "1")  # the same bits as a block a column
+    np.testing.assert_array_equal(_run(raw, qtype, rows, cols, x, "norm"), batch)
