@@ -26,6 +26,10 @@
 #                              (carry .snap with .wx: the mesh's wheels the image lacks), then the engine on $PFILES.
 #                              mesh_bench's peers (`python -m mesh peer` with a token) import aiortc: put aiortc, av
 #                              and their dependencies in .wx too, or the peers die silently and mesh_bench waits
+#   bench/h200_synth.sh s5     a fresh machine (fifth session's kernels): llama.cpp built in the background with LLAMA=1, the
+#                              GPU tests on CUDA, bench/matvec_sass.py there too, decode_ab A/B of the word decode
+#                              against MESH_GPU_CVT=byte on the 8B files, the engine bench on them, serve_bench local
+#                              on 1.1b-Q8_0 with MESH_GPU_MV_COLS=1 and the default 4, then llama-bench tg64
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -43,7 +47,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -332,6 +336,42 @@ team)  # the team's figures on main's HEAD, a fresh machine: the GPU tests, benc
     engine $f engine.txt
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s5)  # fifth session: the word decode (Q4_0/Q8_0) and column tiles (batches) of engine/matvec_gpu.py, one fresh machine
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  # llama.cpp only with LLAMA=1: a build beside the engine slows it 7-11%, and its tg64 read 252.2-256.1 (8B Q8_0)
+  # and 342.1-345.1 (8B Q4_0) on four machines of two sessions
+  [ "${LLAMA:-0}" = 1 ] && { touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 19 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j8 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null & }
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0} 1.1b-Q8_0; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    tests/test_attention_gpu.py tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
+  PATH=$PATH:/usr/local/cuda/bin timeout 60 python3 bench/matvec_sass.py --types Q4_0,Q8_0 --cols 16384 --n 1,4 2>&1 | tail -4 | tee "$OUT/sass.txt"
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip $f: no time"; continue; }; [ "$lim" -gt 120 ] && lim=120
+    echo "== decode_ab $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$f.gguf --greedy --variant word= --variant byte=MESH_GPU_CVT=byte \
+      --rounds 3 --steps 20 --positions 32,512 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do engine $f engine.txt; done
+  while [ ! -f $M/.1.1b-Q8_0 ]; do sleep 2; done
+  for c in 1 4; do
+    lim=$(( $(left) - 60 )); [ "$lim" -gt 40 ] || { echo "skip serve cols $c: no time"; continue; }; [ "$lim" -gt 120 ] && lim=120
+    echo "== serve_bench 1.1b-Q8_0 local MESH_GPU_MV_COLS=$c (limit ${lim}s)"
+    MESH_GPU_MV_COLS=$c DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/1.1b-Q8_0.gguf --streams 1,16 --modes local 2>&1 \
+      | grep -v Warning | tee -a "$OUT/serve.txt"
+  done
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    [ "$(cat /tmp/lc.rc 2>/dev/null)" = 0 ] && [ "$(left)" -gt 40 ] && { echo "== llama-bench $f"; timeout 60 \
+      /tmp/lc/b/bin/llama-bench -m $M/$f.gguf -p 0 -n 64 -ngl 99 -r 5 2>&1 | grep -v "^ggml_\|^load\|^llama_" \
+      | tee -a "$OUT/llama_bench.txt"; }
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log 2>/dev/null)"
   ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done

@@ -47,16 +47,16 @@ def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str) -> tuple[
     return ast.arg.name, next(s.arg for s in prg.src if s.op is Ops.SOURCE)
 
 
-def sass(src: str) -> str:
+def sass(src: str) -> tuple[str, str]:
+    """(ptxas's resource line: registers, spills; the disassembly) of the source compiled for sm_90."""
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.cu").write_text(src)
-        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu", "-Xptxas", "-v"],
-                       check=True, capture_output=True, text=True)
-        regs = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu", "-Xptxas", "-v"],
+        info = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu", "-Xptxas", "-v"],
                               check=True, capture_output=True, text=True).stderr
         out = subprocess.run(["nvdisasm", "-c", f"{d}/k.cubin"], check=True, capture_output=True, text=True).stdout
-    m = re.search(r"Used (\d+) registers", regs)
-    return (m.group(1) if m else "?"), out
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled", out
 
 
 def loop_mix(text: str) -> tuple[collections.Counter, int]:
@@ -113,7 +113,7 @@ def main() -> None:
             tot = sum(mix.values())
             i = sum(v for k, v in mix.items() if k in INT)
             f = sum(v for k, v in mix.items() if k in FP)
-            print(f"{qt} n={n} {name}: {regs} registers; loop {tot} instructions for {vals} lane-values x {n} "
+            print(f"{qt} n={n} {name}: {regs}; loop {tot} instructions for {vals} lane-values x {n} "
                   f"columns: {tot / vals:.2f} a value ({i / vals:.2f} integer, {f / vals:.2f} float); "
                   + " ".join(f"{k}:{v}" for k, v in mix.most_common()))
             if a.show:

@@ -14,7 +14,15 @@ H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
   extension and a conversion each; the old kernel spent 10.6 SASS instructions a value, this one 5.4): a quant q
   in 0..2^22 OR'ed into the mantissa of 2^23 reads as the float 2^23 + q, exactly, and one subtraction leaves q
   (or q - z: Q8_0's signed bytes are flipped to q + 128 by one XOR, Q4_0's -8 and Q5_0's -16 go into the
-  subtracted constant). Same values as a conversion, bit for bit.
+  subtracted constant). Same values as a conversion, bit for bit. Q4_0 and Q8_0 (read as words) go further: a
+  quant is masked where it lies in its word and the exponent OR'ed over it in one LOP3 (the exponent words come
+  from a 3-word input, `magic_word`, so ptxas keeps them in registers), its place 2^pos taken out by the FFMA that
+  removes 2^23: Q4_0 3.98 instructions a value instead of 5.30, of them integer 1.25 instead of 2.62
+  (bench/matvec_sass.py; Hopper issues integer logic at half the float rate). The same floats, bit for bit.
+- A thread block takes up to COLS = 4 columns of a batch together (MESH_GPU_MV_COLS): each decoded quant is
+  multiplied into all of them (a batch decoded the weights once a column: 16 streams cost ~16 single steps).
+  Each column's operations, and its shared-memory rounds, are those of the column alone: the same bits in any
+  batch. SASS per column and value in a tile of 4: Q4_0 1.98, Q8_0 2.03 (128 / 180 registers).
 - Sub-blocks that share their scale and offset (Q4_0, Q4_1, Q5_0, Q5_1: the two nibble planes) are summed before
   the one scaling.
 - P blocks of a row side by side (blocks p, p + P, ...): TW * P threads a block; their partial sums meet in shared
@@ -22,7 +30,7 @@ H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
   x it reads.
 `MESH_GPU_MV="TW,THREADS[,BU]"` overrides the layout for A/B runs (THREADS: the most threads a block, BU: blocks a
 thread reads per loop step; "naive" selects the thread-per-row kernel in engine/quant.py); `MESH_GPU_CVT=cast`
-converts quants by casts instead. On the H200 (bench/RESULTS.md) the Q8_0 kernel streams 3.44 TB/s, Q4_0 2.16.
+converts quants by casts instead, `MESH_GPU_CVT=byte` keeps Q4_0/Q8_0 byte-wise (A/B runs). On the H200 (bench/RESULTS.md) the Q8_0 kernel streams 3.44 TB/s, Q4_0 2.16.
 """
 from __future__ import annotations
 
