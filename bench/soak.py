@@ -100,9 +100,11 @@ def client_main(args) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
-def group_rss_mb(pgid: int) -> float:
-    """RSS of every process in process group `pgid` (a peer and its worker), MB."""
-    total = 0
+def group_memory(pgid: int) -> dict[str, tuple[float, float, float]]:
+    """Each process of group `pgid` ("lead" for the group's leader, "pid N" for the others, e.g. a peer's worker):
+    (RSS, anonymous, shared) MB. Shared is tinygrad's CPU buffers (anonymous MAP_SHARED mappings) and the worker's
+    arena; anonymous is the heap of Python, glibc and numpy."""
+    out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -111,13 +113,16 @@ def group_rss_mb(pgid: int) -> float:
                 stat = f.read()
             if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
+            got = {}
             with open(f"/proc/{d}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+                    if line.startswith(("VmRSS:", "RssAnon:", "RssShmem:")):
+                        got[line.split(":")[0]] = int(line.split()[1]) / 1024
+            out["lead" if int(d) == pgid else f"pid {d}"] = (got.get("VmRSS", 0.0), got.get("RssAnon", 0.0),
+                                                             got.get("RssShmem", 0.0))
         except (OSError, ValueError, IndexError):
             continue
-    return total / 1024
+    return out
 
 
 class Proc:
@@ -229,6 +234,7 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
             "-m", "mesh", "peer", "--join", f"{coord_ip}:{COORD_PORT}", "--listen", hop, "--model", model,
             "--token", TOKEN, "--name", name], logdir, env))
     samples: list[tuple[float, str, float]] = []     # (t, key, rss MB)
+    detail: list[tuple[float, str, dict]] = []       # (t, key, group_memory): which process and which kind grew
     faults: list[str] = []
     client = None
     try:
@@ -258,7 +264,9 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
                 for p in [coord, *peers]:
                     key = p.key()
                     if p.proc.poll() is None and (p is coord or not key.endswith("[]")):   # a peer with layers
-                        samples.append((now - t_start, key, group_rss_mb(p.proc.pid)))
+                        parts = group_memory(p.proc.pid)
+                        samples.append((now - t_start, key, sum(x[0] for x in parts.values())))
+                        detail.append((now - t_start, key, parts))
             for item in [x for x in pending if x[0] <= now]:
                 pending.remove(item)
                 _, p, what = item
@@ -297,7 +305,8 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
         if net_ctx is not None:
             net_ctx.__exit__(None, None, None)
     log = coord.log.read_text(errors="replace")
-    return {"kind": kind, "results": results, "faults": faults, "samples": samples, "shaping": sorted(set(shaping)),
+    return {"kind": kind, "results": results, "faults": faults, "samples": samples, "detail": detail,
+            "shaping": sorted(set(shaping)),
             "reforms": max(0, log.count(" mesh.serve: serving ") - 1),    # sessions after the first
             "minutes": seconds / 60}
 
@@ -369,6 +378,7 @@ def main() -> None:
           f"{args.fault_every:.0f}s (down {args.down:.0f}s); logs in {logdir}", flush=True)
     runs = [run_phase(k, args.minutes * 60 / len(phases), args, logdir) for k in phases]
     (logdir / "rss.json").write_text(json.dumps({r["kind"]: r["samples"] for r in runs}))   # (s, process[range], MB)
+    (logdir / "rss_detail.json").write_text(json.dumps({r["kind"]: r["detail"] for r in runs}))
 
     reference: dict[int, str] = {}
     done = lost = wrong = 0

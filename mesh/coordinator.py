@@ -588,6 +588,12 @@ class Coordinator:
         pipe = await wire_chain(fleet, nursery, stack)
         return fleet, pipe
 
+    def forget(self, fleet: Fleet) -> None:
+        """A session ended: drop the fleet it formed (its members' closed links, range plans, infos), which `form`
+        kept for the measured decode rate, so nothing of it lives on until the next session forms."""
+        if self._fleet is fleet:
+            self._fleet = None
+
     async def answer(self, pipe: Pipeline, prompt_ids: list[int], *, max_tokens: int, sampling: Sampling,
                      resume_from: int = 0, stream_to=None, on_token=None, note_rate: bool = True) -> list[int]:
         decoder = StreamDecoder(self.tokenizer)

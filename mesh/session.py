@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 import trio
 
+from common.memory import trim_heap
 from mesh.errors import single_errors
 
 log = logging.getLogger("mesh.session")
@@ -64,14 +65,24 @@ class Session:
 @asynccontextmanager
 async def open_session(coord, *, min_peers: int | None = None, wait: float | None = None) -> AsyncIterator[Session]:
     """Form a fleet from the registry's pool (waiting for `min_peers`, default the config's) and own it."""
-    with single_errors():      # the error that ended the session, not trio's group around it
-        async with AsyncExitStack() as stack:
-            nursery = await stack.enter_async_context(trio.open_nursery())
-            try:
-                fleet, pipe = await coord.form(nursery, stack, min_peers=min_peers, wait=wait)
-                session = Session(coord, fleet, pipe, nursery)
-                yield session
-            finally:
-                # The session's tasks stop first (a scheduler must not step a chain being released); the stack
-                # then closes the watchers, the local worker and the members, and last the nursery itself.
-                nursery.cancel_scope.cancel()
+    try:
+        with single_errors():      # the error that ended the session, not trio's group around it
+            async with AsyncExitStack() as stack:
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                fleet = None
+                try:
+                    fleet, pipe = await coord.form(nursery, stack, min_peers=min_peers, wait=wait)
+                    session = Session(coord, fleet, pipe, nursery)
+                    trim_heap()           # the negotiation's transient memory (see below), before serving
+                    yield session
+                finally:
+                    # The session's tasks stop first (a scheduler must not step a chain being released); the stack
+                    # then closes the watchers, the local worker and the members, and last the nursery itself.
+                    nursery.cancel_scope.cancel()
+                    if fleet is not None:
+                        coord.forget(fleet)
+    finally:
+        # What the session held is gone; what a re-form allocated and freed (GGUF headers parsed and range files
+        # hashed in worker threads, the vocabulary message, negotiation buffers) glibc would keep as free heap, and
+        # a long-lived coordinator would step up at each new kind of re-form (common/memory.py).
+        trim_heap()
