@@ -13,9 +13,10 @@ or frozen (SIGSTOP), alternately; after `--down` seconds the killed one is start
 Counted: requests completed, lost (any request that did not end with a finish reason: an error mid-stream, a
 refusal after the client's retries), wrong (a text that differs from the first answer to the same request: greedy
 and seeded answers must repeat exactly, faults or not), the longest pause inside an answer (the re-form a fault
-costs), re-forms. Memory: the RSS of each process group (coordinator; each peer with its worker), sampled every
-10 s; after `--warmup` seconds the first sample is the baseline and the last must be within +-10% of it (a peer's
-baseline restarts whenever it loads another layer range: a re-plan legitimately changes what it holds).
+costs), re-forms. Memory: the RSS of each process group (coordinator; each peer with its worker; shared memory
+counted once, `group_memory`), sampled every 10 s; after `--warmup` seconds the first sample is the baseline and the
+last must be within +-10% of it (a peer's baseline restarts whenever it loads another layer range: a re-plan
+legitimately changes what it holds).
 The last line is the summary.
 """
 from __future__ import annotations
@@ -100,10 +101,14 @@ def client_main(args) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
-def group_memory(pgid: int) -> dict[str, tuple[float, float, float]]:
+def group_memory(pgid: int) -> dict[str, tuple[float, float, float, float]]:
     """Each process of group `pgid` ("lead" for the group's leader, "pid N" for the others, e.g. a peer's worker):
-    (RSS, anonymous, shared) MB. Shared is tinygrad's CPU buffers (anonymous MAP_SHARED mappings) and the worker's
-    arena; anonymous is the heap of Python, glibc and numpy."""
+    (resident MB as judged, anonymous RSS, file RSS, shared-memory PSS). The judged figure is RSS with shared memory
+    counted by PSS: the worker's arena is a memfd mapped by the peer and by its worker, and summing their RSS would
+    count its touched pages twice. Shared memory is the arena and tinygrad's CPU buffers (anonymous MAP_SHARED, in the
+    worker only); anonymous is the heap of Python, glibc and numpy; file is the mapped libraries and programs. PSS is
+    not used for all of it: a library's pages are shared with every other Python process on the box, and a process's
+    share of them would change whenever a peer is killed or restarted."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -114,12 +119,14 @@ def group_memory(pgid: int) -> dict[str, tuple[float, float, float]]:
             if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
             got = {}
-            with open(f"/proc/{d}/status") as f:
-                for line in f:
-                    if line.startswith(("VmRSS:", "RssAnon:", "RssShmem:")):
-                        got[line.split(":")[0]] = int(line.split()[1]) / 1024
-            out["lead" if int(d) == pgid else f"pid {d}"] = (got.get("VmRSS", 0.0), got.get("RssAnon", 0.0),
-                                                             got.get("RssShmem", 0.0))
+            for name in ("status", "smaps_rollup"):
+                with open(f"/proc/{d}/{name}") as f:
+                    for line in f:
+                        key = line.split(":")[0]
+                        if key in ("RssAnon", "RssFile", "Pss_Shmem"):
+                            got[key] = int(line.split()[1]) / 1024
+            anon, file, shmem = got.get("RssAnon", 0.0), got.get("RssFile", 0.0), got.get("Pss_Shmem", 0.0)
+            out["lead" if int(d) == pgid else f"pid {d}"] = (anon + file + shmem, anon, file, shmem)
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -233,7 +240,7 @@ def run_phase(kind: str, seconds: float, args, logdir: Path) -> dict:
         peers.append(Proc(f"{tag}-{name}", wrap.get(name, []) + py + [
             "-m", "mesh", "peer", "--join", f"{coord_ip}:{COORD_PORT}", "--listen", hop, "--model", model,
             "--token", TOKEN, "--name", name], logdir, env))
-    samples: list[tuple[float, str, float]] = []     # (t, key, rss MB)
+    samples: list[tuple[float, str, float]] = []     # (t, key, the group's resident MB, group_memory's sum)
     detail: list[tuple[float, str, dict]] = []       # (t, key, group_memory): which process and which kind grew
     faults: list[str] = []
     client = None
