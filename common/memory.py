@@ -4,8 +4,8 @@ glibc keeps memory that Python, numpy and the C libraries freed: the main heap i
 heaps of thread arenas (trio.to_thread workers, which parse GGUF headers and hash range files during a re-form) keep
 their high-water marks. A long-lived coordinator then steps up by a few MB at each re-form of a new kind while the
 objects it holds stay the same (bench/reform_memory.py; NOTES "Faults"). `malloc_trim(0)` walks every arena and
-returns its free pages (MADV_DONTNEED on whole free pages inside a heap, not only at its top); it takes about a
-millisecond on a coordinator's ~50 MB heap. Elsewhere (macOS, musl) there is nothing to call and nothing happens.
+returns its free pages (MADV_DONTNEED on whole free pages inside a heap, not only at its top): a few ms, ~50 ms
+right after ~100 MB were freed in fragments. Elsewhere (macOS, musl) there is nothing to call and nothing happens.
 """
 from __future__ import annotations
 

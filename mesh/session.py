@@ -10,6 +10,10 @@ config to re-form; now a re-form is a new `open_session(coord, min_peers=...)`.
 A session ends early, by raising out of the block, when its chain fails under a running step (SessionError from
 the pipeline or a task in it). `wait_lost()` is for a session that is idle: it returns when any member's control link
 fails (the heartbeat notices a silent peer within 5 s), so a service can re-form before the next request arrives.
+
+Memory: after negotiating and at the end, the C heap's free pages go back to the OS (`common.memory.trim_heap`), and
+the coordinator forgets the session's fleet, so a coordinator that re-forms for weeks stays at its size (NOTES
+"Faults", tests/test_reform_memory.py).
 """
 from __future__ import annotations
 
