@@ -152,56 +152,22 @@ class WorkerLoop:
         if self.initialized:
             raise _Refuse("the worker is already initialized")
         try:
-            choice = choose_device(cmd.device, default=quick_default)
-            apply_device(choice)
-            try:
-                probe = probe_device()
-            except DeviceError as exc:
-                # METAL -> CPU: a Mac whose Metal does not work (a VM, a broken driver) still serves on its CPU
-                if choice.selected.split(":")[0].upper() != "METAL":
-                    raise
-                cpu = cpu_choice(choice.requested, current())
-                choice = DeviceChoice(choice.requested, cpu.selected, cpu.compiler,
-                                      "; ".join(r for r in (f"METAL failed its probe: {exc}", cpu.reason) if r))
-                apply_device(choice)
-                probe = probe_device()
+            ready = initialize_device(cmd.device)
         except DeviceError as exc:
             self.fatal("device", str(exc), cmd.cid)
         self.initialized = True
-        return Ready(choice.requested, choice.selected, choice.compiler, choice.reason, probe.values, probe.ms)
+        return ready
 
     def on_load(self, cmd: Load) -> Event:
         if not self.initialized:
             raise _Refuse("the worker is not initialized: send Initialize before Load")
         self.stage = None  # a Load replaces what was held, and frees it before loading the new range
-        if not os.path.isfile(cmd.path):
-            raise _Refuse(f"model file {cmd.path!r} does not exist or is not a file")
-        if not 0 <= cmd.start < cmd.end:
-            raise _Refuse(f"layer range [{cmd.start}, {cmd.end}) is empty or negative")
-        if cmd.n_slots < 1 or cmd.max_context < 1:
-            raise _Refuse(f"n_slots ({cmd.n_slots}) and max_context ({cmd.max_context}) must be at least 1")
-        if not 0 <= cmd.warmup <= cmd.n_slots:
-            raise _Refuse(f"warmup ({cmd.warmup}) must lie in [0, n_slots = {cmd.n_slots}]")
-        if cmd.kv_blocks < 0:
-            raise _Refuse(f"kv_blocks ({cmd.kv_blocks}) must be at least 1, or 0 for the default")
-        from engine.stage import Stage
-        t0 = time.perf_counter()
         try:
-            stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context,
-                               kv_blocks=cmd.kv_blocks or None)
-            load_ms = (time.perf_counter() - t0) * 1000
-            # compile every step shape now, so that the first steps of a session (and a prompt of a new length)
-            # do not wait seconds for tinygrad: Loaded means ready to step at full speed
-            warm = stage.warmup(decode_batch=cmd.warmup) if cmd.warmup else None
-        except EngineError as exc:
-            raise _Refuse(f"{type(exc).__name__}: {exc}") from None
-        self.stage = stage
+            self.stage, info = load_stage(cmd)
+        except LoadRefused as exc:
+            raise _Refuse(str(exc)) from None
         self.last_step_id = -1
-        return Loaded(WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
-                                 act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),
-                                 kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms,
-                                 warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0,
-                                 kv_blocks=stage.kv_blocks, kv_block_size=stage.kv_block_size))
+        return Loaded(info)
 
     def on_json_step(self, cmd: Step) -> Event:
         raise _Refuse("a Step travels as a step record, not as JSON")
@@ -283,6 +249,59 @@ class WorkerLoop:
     def on_shutdown(self, cmd: Shutdown) -> Event:
         self.out.emit(Stopped("shutdown"), cmd.cid)
         raise _Exit(0)
+
+
+class LoadRefused(Exception):
+    """A Load that cannot be carried out (bad arguments, or the Stage raised an EngineError): the reason."""
+
+
+def initialize_device(requested: str | None) -> Ready:
+    """Choose the device (with its fallbacks), make it tinygrad's default in this process and probe it; a METAL that
+    fails its probe falls back to the CPU. Raises DeviceError. The worker's Initialize, and a peer that runs its
+    stage in its own process (engine.local_stage), both start here."""
+    choice = choose_device(requested, default=quick_default)
+    apply_device(choice)
+    try:
+        probe = probe_device()
+    except DeviceError as exc:
+        # METAL -> CPU: a Mac whose Metal does not work (a VM, a broken driver) still serves on its CPU
+        if choice.selected.split(":")[0].upper() != "METAL":
+            raise
+        cpu = cpu_choice(choice.requested, current())
+        choice = DeviceChoice(choice.requested, cpu.selected, cpu.compiler,
+                              "; ".join(r for r in (f"METAL failed its probe: {exc}", cpu.reason) if r))
+        apply_device(choice)
+        probe = probe_device()
+    return Ready(choice.requested, choice.selected, choice.compiler, choice.reason, probe.values, probe.ms)
+
+
+def load_stage(cmd: Load):
+    """(Stage, WorkerInfo) for a Load: its arguments checked, the range loaded and its step shapes compiled
+    (`Stage.warmup`), so that the first steps of a session do not wait seconds for tinygrad. Raises LoadRefused."""
+    if not os.path.isfile(cmd.path):
+        raise LoadRefused(f"model file {cmd.path!r} does not exist or is not a file")
+    if not 0 <= cmd.start < cmd.end:
+        raise LoadRefused(f"layer range [{cmd.start}, {cmd.end}) is empty or negative")
+    if cmd.n_slots < 1 or cmd.max_context < 1:
+        raise LoadRefused(f"n_slots ({cmd.n_slots}) and max_context ({cmd.max_context}) must be at least 1")
+    if not 0 <= cmd.warmup <= cmd.n_slots:
+        raise LoadRefused(f"warmup ({cmd.warmup}) must lie in [0, n_slots = {cmd.n_slots}]")
+    if cmd.kv_blocks < 0:
+        raise LoadRefused(f"kv_blocks ({cmd.kv_blocks}) must be at least 1, or 0 for the default")
+    from engine.stage import Stage
+    t0 = time.perf_counter()
+    try:
+        stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context,
+                           kv_blocks=cmd.kv_blocks or None)
+        load_ms = (time.perf_counter() - t0) * 1000
+        warm = stage.warmup(decode_batch=cmd.warmup) if cmd.warmup else None
+    except EngineError as exc:
+        raise LoadRefused(f"{type(exc).__name__}: {exc}") from None
+    return stage, WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
+                             act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),
+                             kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms,
+                             warmup_ms=warm.ms if warm else 0.0, warmup_shapes=warm.shapes if warm else 0,
+                             kv_blocks=stage.kv_blocks, kv_block_size=stage.kv_block_size)
 
 
 def _release(view: memoryview) -> None:

@@ -27,7 +27,7 @@ import transport
 from engine.arena import PayloadKind
 from engine.errors import EngineError
 from engine.gguf_meta import read_model_meta
-from engine.worker import open_worker
+from engine.local_stage import open_stage_host
 from mesh import proto
 from mesh.errors import HopError, MeshError, single_errors
 from mesh.identity import model_identity, verify_file
@@ -132,7 +132,7 @@ class Peer:
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
         host, _, port = self.cfg.listen.rpartition(":")
-        async with open_worker(device=self.cfg.device) as worker, open_rtc_lanes(self, self.cfg.ice) as rtc:
+        async with open_stage_host(device=self.cfg.device) as worker, open_rtc_lanes(self, self.cfg.ice) as rtc:
             self.worker = worker
             self.rtc = rtc
             self.backend = f"{worker.ready.device}" if worker.ready else ""

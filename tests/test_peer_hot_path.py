@@ -38,6 +38,7 @@ def reference(model, n: int) -> list[int]:
 
 async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch):
     monkeypatch.setenv("MESH_RING_FROM_READER", "1")     # opt-in (off by default: not shown to pay on 2 cores)
+    monkeypatch.setenv("MESH_STAGE_IN_PEER", "0")        # the ring is a worker process's (a CPU stage runs in the peer)
     want = reference(model, 6)
     sessions = trio.open_memory_channel(4)
 

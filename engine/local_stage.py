@@ -1,0 +1,242 @@
+"""A stage run in the calling process, behind the worker client's API: what a CPU peer uses on its hot path.
+
+    async with open_stage_host(device=None) as host:    # a LocalStage on the CPU, else a worker process
+        info = await host.load(path, 10, 20, n_slots=4, max_context=2048)
+        out = await host.step_raw(cols, data, kind, dim, sampling)
+
+Why (issue 10): a token crossing a stage that lives in a worker process wakes two more processes (the doorbell in,
+the doorbell out) and runs the step's Python on both sides of the pipe, each part with caches the last compute
+emptied. On 2 shared cores that was ~0.75 ms a stage of the ~2 ms on the token's path. A CPU stage gains nothing
+from the process boundary that the peer's own process does not already give: the worker isolates a device that
+can crash its process or hang in a driver (a GPU, Metal) and carries the device fallbacks; a CPU step is compiled
+C over host memory, and the choice of CPU renderer (`CPU:X86` without clang) and its probe are done here too,
+by the same code (`engine.worker_main.initialize_device`). So `open_stage_host` keeps the worker process for every
+other device and runs a CPU stage in the caller (MESH_STAGE_IN_PEER: "auto", the default; "1" always; "0" never,
+a worker process for the CPU too).
+
+A step of a shape this stage has run before is run inline, in the trio thread: the event loop stops for the
+step (10-40 ms of a decode step on SmolLM2), as it would wait for the worker's reply anyway, and no thread or
+process is woken on the way. A step of a shape not seen yet may compile for seconds (a stage loaded without
+warmup), so it runs in a thread: the peer's links keep answering heartbeats meanwhile. Loads run in a thread too.
+A failure inside the Stage (EngineError) is `WorkerCommandError`, as from a worker; the process can crash only
+with the peer, and the coordinator names a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+import trio
+
+from common.values import Column, SamplingArg
+from engine.arena import PayloadKind
+from engine.errors import EngineError
+from engine.worker import PostedStep, StepOut, WorkerCommandError, WorkerError, open_worker
+from engine.worker_proto import Load, Ready, WorkerInfo
+from engine.worker_records import DTYPE_NAME, KIND_BY_DTYPE
+
+__all__ = ["LocalStage", "open_stage_host", "stage_in_process"]
+
+
+def stage_in_process(device: str | None, env: dict | None = None) -> bool:
+    """Whether a peer runs its stage in its own process: MESH_STAGE_IN_PEER=1 always, =0 never, else ("auto") when
+    the device is the CPU (asked for, or the platform's default without asking tinygrad)."""
+    env = os.environ if env is None else env
+    mode = env.get("MESH_STAGE_IN_PEER", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    if device is None:
+        device = env.get("DEV")
+    if device is None:
+        from engine import platform
+        device = platform.default_device(platform.current(), ask=lambda: "")
+    return (device or "").split(":")[0].upper() in ("CPU", "CLANG")
+
+
+class LocalStage:
+    """The worker client's API over a Stage held by this process. Build it with `open_stage_host`."""
+
+    def __init__(self, ready: Ready) -> None:
+        self.ready = ready
+        self.pid = os.getpid()
+        self.info: WorkerInfo | None = None
+        self.stage = None
+        self._seen: set = set()                       # step shapes run before: these run inline
+        self._lock = trio.Semaphore(1, max_value=1)
+        self._closed = False
+
+    # ---- what the peer and mesh.speed use of a worker ----
+    async def load(self, path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
+                   warmup: int = 1, kv_blocks: int = 0) -> WorkerInfo:
+        from engine.worker_main import LoadRefused, load_stage
+        async with self._lock:
+            self._check_open()
+            self.info, self.stage, self._seen = None, None, set()  # the old range is freed before the new loads
+            try:
+                stage, info = await trio.to_thread.run_sync(load_stage, Load(0, os.fspath(path), start, end, n_slots,
+                                                                             max_context, warmup, kv_blocks))
+            except LoadRefused as exc:
+                raise WorkerCommandError("Load", str(exc)) from None
+            self.stage, self.info = stage, info
+            if warmup:   # Stage.warmup compiled the decode widths up to `warmup` and the prefill chunks
+                self._seen.update((n, True) for n in range(1, warmup + 1))
+            return info
+
+    def _loaded(self) -> WorkerInfo:
+        if self.info is None:
+            raise WorkerError(f"process {self.pid} has no model loaded")
+        return self.info
+
+    @property
+    def first(self) -> bool:
+        return self._loaded().first
+
+    @property
+    def last(self) -> bool:
+        return self._loaded().last
+
+    @property
+    def dim(self) -> int:
+        return self._loaded().dim
+
+    @property
+    def act_dtype(self) -> np.dtype:
+        return np.dtype(self._loaded().act_dtype)
+
+    async def step(self, cols: Sequence[Column], hidden: np.ndarray | None, sampling: SamplingArg) -> np.ndarray:
+        async with self._lock:
+            return np.array(await self._step(cols, hidden, sampling), copy=True)
+
+    async def step_raw(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
+        """`Worker.step_raw`: `data` (bytes-like, len(cols) x dim values of `kind`, or None) is read in place; the
+        output comes back as bytes."""
+        hidden = None
+        if data is not None:
+            if kind not in (PayloadKind.ACT_F16, PayloadKind.ACT_F32):
+                raise WorkerCommandError("Step", f"activations of kind {kind} (float16 or float32 only)")
+            if isinstance(data, bytes):     # tinygrad's copy-in takes writable memory only (2.3 KB a decode step)
+                data = bytearray(data)
+            hidden = np.frombuffer(data, DTYPE_NAME[kind]).reshape(len(cols), dim)
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        try:
+            t0 = time.monotonic_ns()
+            out = np.ascontiguousarray(await self._step(cols, hidden, sampling))
+            t1 = time.monotonic_ns()
+        finally:
+            self._lock.release()
+        out_kind = KIND_BY_DTYPE.get(out.dtype.name)
+        if out_kind is None:
+            raise WorkerError(f"step output has dtype {out.dtype}, which no hop carries")
+        rows, ncols = (out.shape[0], 1) if out.ndim == 1 else out.shape
+        done = t1 / 1e6
+        return StepOut(out_kind, rows, ncols, out.tobytes(), (t1 - t0) / 1e6, t0 / 1e6, done, done)
+
+    async def _step(self, cols, hidden, sampling) -> np.ndarray:
+        self._check_open()
+        stage = self.stage
+        if stage is None:
+            raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
+        key = (len(cols), any(c.needs_logits for c in cols))
+        try:
+            if key in self._seen:       # compiled: inline, no thread or process woken
+                out = stage.step(cols, hidden, sampling)
+            else:                       # may compile for seconds: off the event loop
+                out = await trio.to_thread.run_sync(stage.step, cols, hidden, sampling)
+                self._seen.add(key)
+        except EngineError as exc:
+            raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
+        return out
+
+    # The split step of a worker (a Link reader rings, the op loop awaits) wins nothing here: refused, so the peer
+    # takes its ordinary path
+    def post_step_nowait(self, *args, **kwargs) -> PostedStep:
+        raise trio.WouldBlock
+
+    async def step_posted(self, posted: PostedStep) -> StepOut:
+        raise WorkerError("a local stage posts no steps")
+
+    def abandon(self, posted: PostedStep) -> None:
+        pass
+
+    async def _call(self, what: str, fn, *args) -> None:
+        async with self._lock:
+            self._check_open()
+            if self.stage is None:
+                raise WorkerCommandError(what, f"no model is loaded: send Load before {what}")
+            try:
+                getattr(self.stage, fn)(*args)
+            except EngineError as exc:
+                raise WorkerCommandError(what, f"{type(exc).__name__}: {exc}") from None
+
+    async def zero_slot(self, slot: int) -> None:
+        await self._call("ZeroSlot", "zero_slot", slot)
+
+    async def block_table(self, slot: int, blocks) -> None:
+        await self._call("BlockTable", "block_table", slot, tuple(int(b) for b in blocks))
+
+    async def reset(self) -> None:
+        await self._call("Reset", "reset")
+
+    async def rollback(self, slot: int, pos: int) -> None:
+        await self._call("Rollback", "rollback", slot, pos)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerError(f"the stage of process {self.pid} is closed")
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self.stage = self.info = None
+
+
+_shared_db = None
+
+
+def _share_tinygrad_cache() -> None:
+    """Open tinygrad's disk-cache database for any thread of this process. tinygrad opens it on first use with
+    sqlite3's default check_same_thread=True, so a Stage loaded in a thread (a load must not stop the event loop
+    for seconds) could not compile in the trio thread afterwards, nor the other way round. Every tinygrad call of a
+    LocalStage is serialized by its lock, which is what check_same_thread guards against; the connection is opened
+    exactly as tinygrad opens it otherwise."""
+    import sqlite3
+    from tinygrad import helpers
+    global _shared_db
+    if _shared_db is not None and helpers._db_connection is _shared_db:
+        return
+    os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
+    conn = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL").fetchone()
+    except sqlite3.OperationalError:
+        pass                    # another connection set it already, or holds the lock while it does
+    conn.execute("PRAGMA synchronous=NORMAL")
+    helpers._db_connection = _shared_db = conn    # one opened by a thread before (a test's own Stage) is dropped
+
+
+@asynccontextmanager
+async def open_stage_host(*, device: str | None = None) -> AsyncIterator[LocalStage | object]:
+    """The stage host a peer drives: a LocalStage when `stage_in_process(device)`, else a worker process
+    (`engine.worker.open_worker`). The device is chosen, set up and probed as a worker would."""
+    if not stage_in_process(device):
+        async with open_worker(device=device) as worker:
+            yield worker
+        return
+    from engine.device import DeviceError
+    from engine.worker_main import initialize_device
+    _share_tinygrad_cache()
+    try:
+        ready = await trio.to_thread.run_sync(initialize_device, device)
+    except DeviceError as exc:
+        raise WorkerError(f"device: {exc}") from None
+    host = LocalStage(ready)
+    try:
+        yield host
+    finally:
+        await host.aclose()
