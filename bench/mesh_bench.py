@@ -25,6 +25,11 @@ from device (the child's StepDone to the client holding it: ring and wake-up), t
 forward's write starting: frame and seal), send (output held to the send returning; it overlaps the next stage).
 "on the path" sums every phase but compute and send; "sink" is the last stage's write to the coordinator holding
 the token. The unsharded worker's own to device, compute and from device are printed alongside.
+
+Peers run a CPU stage in their own process by default (engine/local_stage.py): their "to device" and "from device"
+are 0 and "to op" is ~0 when the step ran in the Link reader. `MESH_STAGE_IN_PEER=0 ... --ab MESH_STAGE_IN_PEER=1`
+compares against worker processes, `--ab MESH_STEP_IN_READER=0` against the op loop's step. The unsharded engine is
+always one worker process.
 """
 from __future__ import annotations
 
@@ -223,7 +228,9 @@ def cpu_per_token(before, after, steps: int) -> dict[str, float]:
     per: dict[str, float] = {}
     for key, (name, t) in after.items():
         t0 = before.get(key, (name, 0.0))[1]
-        role = "worker helpers" if name.startswith("worker") and not name.endswith("main") else name
+        # other threads than the main one: the CPU runner's helpers (in a worker, or in a peer that runs its stage
+        # itself, where they are named after the trio thread that started them) and trio's thread cache
+        role = f"{name.split()[0]} helpers" if not name.endswith(" main") else name
         per[role] = per.get(role, 0.0) + (t - t0) * 1e3 / steps
     return per
 

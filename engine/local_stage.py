@@ -14,7 +14,7 @@ by the same code (`engine.worker_main.initialize_device`). So `open_stage_host` 
 other device and runs a CPU stage in the caller (MESH_STAGE_IN_PEER: "auto", the default; "1" always; "0" never,
 a worker process for the CPU too).
 
-A step of a shape this stage has run before is run inline, in the trio thread: the event loop stops for the
+A step of a shape this stage has run before (`_shape_key`) is run inline, in the trio thread: the event loop stops for the
 step (10-40 ms of a decode step on SmolLM2), as it would wait for the worker's reply anyway, and no thread or
 process is woken on the way. A step of a shape not seen yet may compile for seconds (a stage loaded without
 warmup), so it runs in a thread: the peer's links keep answering heartbeats meanwhile. Loads run in a thread too.
@@ -83,7 +83,7 @@ class LocalStage:
                 raise WorkerCommandError("Load", str(exc)) from None
             self.stage, self.info = stage, info
             if warmup:   # Stage.warmup compiled the decode widths up to `warmup` and the prefill chunks
-                self._seen.update((n, True) for n in range(1, warmup + 1))
+                self._seen.update(((1,) * n, (True,) * n) for n in range(1, warmup + 1))
             return info
 
     def _loaded(self) -> WorkerInfo:
@@ -113,37 +113,43 @@ class LocalStage:
 
     async def step_raw(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`Worker.step_raw`: `data` (bytes-like, len(cols) x dim values of `kind`, or None) is read in place; the
-        output comes back as bytes."""
-        hidden = None
-        if data is not None:
-            if kind not in (PayloadKind.ACT_F16, PayloadKind.ACT_F32):
-                raise WorkerCommandError("Step", f"activations of kind {kind} (float16 or float32 only)")
-            if isinstance(data, bytes):     # tinygrad's copy-in takes writable memory only (2.3 KB a decode step)
-                data = bytearray(data)
-            hidden = np.frombuffer(data, DTYPE_NAME[kind]).reshape(len(cols), dim)
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
-        try:
+        output comes back as bytes. Inline when `runs_inline`, else in a thread."""
+        if self._lock.value and self.runs_inline(cols):
+            return self.step_now(cols, data, kind, dim, sampling)
+        hidden = _hidden(cols, data, kind, dim)
+        async with self._lock:
             t0 = time.monotonic_ns()
-            out = np.ascontiguousarray(await self._step(cols, hidden, sampling))
-            t1 = time.monotonic_ns()
+            out = await self._step(cols, hidden, sampling)
+            return _step_out(out, t0, time.monotonic_ns())
+
+    def runs_inline(self, cols: Sequence[Column]) -> bool:
+        """Whether a step of these columns has a shape this stage ran before (compiled: `step_now` may run it)."""
+        return _shape_key(cols) in self._seen
+
+    def step_now(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
+        """`step_raw` synchronously, in the calling thread (a Link reader's hook, or the trio thread): for shapes
+        that `runs_inline`. trio.WouldBlock when another call holds the stage."""
+        hidden = _hidden(cols, data, kind, dim)
+        self._lock.acquire_nowait()
+        try:
+            self._check_open()
+            if self.stage is None:
+                raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
+            t0 = time.monotonic_ns()
+            try:
+                out = self.stage.step(cols, hidden, sampling)
+            except EngineError as exc:
+                raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
+            return _step_out(out, t0, time.monotonic_ns())
         finally:
             self._lock.release()
-        out_kind = KIND_BY_DTYPE.get(out.dtype.name)
-        if out_kind is None:
-            raise WorkerError(f"step output has dtype {out.dtype}, which no hop carries")
-        rows, ncols = (out.shape[0], 1) if out.ndim == 1 else out.shape
-        done = t1 / 1e6
-        return StepOut(out_kind, rows, ncols, out.tobytes(), (t1 - t0) / 1e6, t0 / 1e6, done, done)
 
     async def _step(self, cols, hidden, sampling) -> np.ndarray:
         self._check_open()
         stage = self.stage
         if stage is None:
             raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
-        key = (len(cols), any(c.needs_logits for c in cols))
+        key = _shape_key(cols)
         try:
             if key in self._seen:       # compiled: inline, no thread or process woken
                 out = stage.step(cols, hidden, sampling)
@@ -197,6 +203,40 @@ class LocalStage:
 
 
 _shared_db = None
+
+
+def _shape_key(cols) -> tuple:
+    """What decides a step's compiled shape in the Stage, near enough: its runs of consecutive positions of one slot
+    (a prefill is one run, a decode step of n sequences n runs of 1) and which columns want logits."""
+    runs: list[int] = []
+    prev = None
+    for c in cols:
+        if prev is not None and c.slot == prev.slot and c.pos == prev.pos + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+        prev = c
+    return tuple(runs), tuple(c.needs_logits for c in cols)
+
+
+def _hidden(cols, data, kind: int, dim: int) -> np.ndarray | None:
+    if data is None:
+        return None
+    if kind not in (PayloadKind.ACT_F16, PayloadKind.ACT_F32):
+        raise WorkerCommandError("Step", f"activations of kind {kind} (float16 or float32 only)")
+    if isinstance(data, bytes):     # tinygrad's copy-in takes writable memory only (2.3 KB a decode step)
+        data = bytearray(data)
+    return np.frombuffer(data, DTYPE_NAME[kind]).reshape(len(cols), dim)
+
+
+def _step_out(out: np.ndarray, t0_ns: int, t1_ns: int) -> StepOut:
+    out = np.ascontiguousarray(out)
+    kind = KIND_BY_DTYPE.get(out.dtype.name)
+    if kind is None:
+        raise WorkerError(f"step output has dtype {out.dtype}, which no hop carries")
+    rows, cols = (out.shape[0], 1) if out.ndim == 1 else out.shape
+    done = t1_ns / 1e6
+    return StepOut(kind, rows, cols, out.tobytes(), (t1_ns - t0_ns) / 1e6, t0_ns / 1e6, done, done)
 
 
 def _share_tinygrad_cache() -> None:

@@ -22,6 +22,7 @@ byte went out, because a half-written frame would desynchronize the peer for goo
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import time
 from collections import deque
@@ -118,6 +119,7 @@ class Link:
         self._credit_owed = 0
         self._failure: LinkError | None = None
         self._final_frame: proto.Event | None = None
+        self._tail = b""          # what the socket did not take of a frame written by send_nowait: goes out first
         self._sent_shutdown = False
         self._failed = trio.Event()
         self._closed = trio.Event()
@@ -153,6 +155,33 @@ class Link:
         if isinstance(event, proto.Shutdown):
             self._sent_shutdown = True
         await self._write(prepared)
+
+    def send_nowait(self, event: proto.Event) -> bool:
+        """Send one flow-controlled event now, from synchronous code (a `take` hook), if nothing stands in the way:
+        the link is a TCP stream, no other write is in progress, there is credit. True: it was written; the bytes the
+        socket did not take at once go out, before any later frame, from the link's control task. False: nothing was
+        sent (use `send`). Raises what `send` raises once the frame was sealed and the connection failed."""
+        if self._failure is not None or self._sent_shutdown or not flow_controlled(event.TYPE) \
+                or self._send_lock.locked() or self._tail or not self._flow.can_send():
+            return False
+        fd = _socket_fd(self.stream)
+        if fd is None:
+            return False
+        prepared = self._codec.prepare(event)
+        self._flow.on_sent(frame_cost(prepared.size))
+        data = b"".join(self._codec.frame(prepared))    # sealed now: from here on the frame must reach the wire
+        self.wrote = time.perf_counter()
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(LinkClosed(f"connection lost while sending: {exc}"))
+            raise self._failure.with_traceback(None) from exc  # type: ignore[union-attr]
+        if sent < len(data):
+            self._tail = data[sent:]
+            self._wake_control.set()
+        return True
 
     async def receive(self) -> proto.Event:
         """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
@@ -214,6 +243,9 @@ class Link:
             # good. What unblocks a write to a peer that stopped reading is the stream being closed, which the
             # background task does on any failure (the watchdog's LinkDead included) and on close.
             parts = [part for f in frames for part in self._codec.frame(f)]
+            if self._tail:
+                parts.insert(0, self._tail)
+                self._tail = b""
             with trio.CancelScope(shield=True):
                 self.wrote = time.perf_counter()
                 for data in parts:
@@ -294,7 +326,8 @@ class Link:
             scope.shield = True
             try:
                 async with self._send_lock:
-                    await self.stream.send_all(self._codec.send(event))
+                    tail, self._tail = self._tail, b""
+                    await self.stream.send_all(tail + self._codec.send(event))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
@@ -393,7 +426,7 @@ class Link:
             ping = liveness.ping_due(trio.current_time())
             if ping is not None:
                 owed.append(ping)
-            if owed:
+            if owed or self._tail:        # _write sends the tail of a send_nowait frame first
                 try:
                     await self._write(*map(self._codec.prepare, owed))
                 except LinkError:
@@ -407,6 +440,16 @@ class Link:
         while not liveness.is_dead(trio.current_time()):
             await trio.sleep_until(liveness.dead_at())
         self._fail(LinkDead(f"nothing received from the peer for {self._dead_after:g}s"))
+
+
+def _socket_fd(stream) -> int | None:
+    """The fd of a TCP stream that `send_nowait` may write to directly (a trio SocketStream, also behind the
+    listener's PrefixStream); None for anything else (WebSocket, WebRTC, memory streams)."""
+    if type(stream) is not trio.SocketStream:
+        stream = getattr(stream, "transport_stream", None)
+        if type(stream) is not trio.SocketStream:
+            return None
+    return stream.socket.fileno()
 
 
 @asynccontextmanager

@@ -27,7 +27,7 @@ import transport
 from engine.arena import PayloadKind
 from engine.errors import EngineError
 from engine.gguf_meta import read_model_meta
-from engine.local_stage import open_stage_host
+from engine.local_stage import LocalStage, open_stage_host
 from mesh import proto
 from mesh.errors import HopError, MeshError, single_errors
 from mesh.identity import model_identity, verify_file
@@ -88,6 +88,15 @@ class PeerRefused(MeshError):
     """The coordinator refused this peer's Join (its name or address): retrying cannot help."""
 
 
+class _Held:
+    """A step computed in the Link reader (`Peer._run_step_now`) whose output the op loop must still send: the
+    reply event (or the LinkError its write raised) and the step's output."""
+    __slots__ = ("reply", "out", "arrived", "decoded")
+
+    def __init__(self, reply, out, arrived: float, decoded: float) -> None:
+        self.reply, self.out, self.arrived, self.decoded = reply, out, arrived, decoded
+
+
 @dataclass
 class Forward:
     """The successor hop in peer-to-peer mode: the next peer, or the coordinator's sink when `sink` is set."""
@@ -120,6 +129,10 @@ class Peer:
         # much (NOTES "Hot path through a stage"); bench/mesh_bench.py --ab compares the two
         self.ring_from_reader = os.environ.get("MESH_RING_FROM_READER", "0") == "1"
         self.reader_rings = 0               # steps rung from a Link's reader so far
+        # A stage in this process computes a step in the Link reader that read it (`_run_step_now`);
+        # MESH_STEP_IN_READER=0 leaves every step to the op loop (for A/B runs: bench/mesh_bench.py --ab)
+        self.step_in_reader = os.environ.get("MESH_STEP_IN_READER", "1") != "0"
+        self.reader_steps = 0               # steps computed and forwarded from a Link's reader (stage in the peer)
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport(show_text=cfg.show_text)
@@ -257,7 +270,9 @@ class Peer:
 
     # ---- the op loop ---------------------------------------------------------------------------------------
     async def _serve_ops(self, link, nursery, *, control: bool) -> None:
-        link.take = functools.partial(self._take_step, link) if self.ring_from_reader else None
+        local = isinstance(self.worker, LocalStage) and self.step_in_reader
+        link.take = functools.partial(self._run_step_now if local else self._take_step, link) \
+            if local or self.ring_from_reader else None
         try:
             await self._op_loop(link, nursery, control)
         finally:
@@ -265,7 +280,8 @@ class Peer:
             self._waiting.discard(link)
             posted = self._posted.pop(link, None)
             if posted is not None:          # rung, then the link or the session ended before the op loop took it
-                self.worker.abandon(posted[1])
+                if not isinstance(posted[1], _Held):
+                    self.worker.abandon(posted[1])
                 self.compute.release()
 
     def _take_step(self, link, ev) -> bool:
@@ -293,6 +309,69 @@ class Peer:
         self._posted[link] = (ev, posted, t0)
         self.reader_rings += 1
         return False
+
+    def _run_step_now(self, link, ev) -> bool:
+        """The Link reader's hook (`Link.take`) for a stage run in this process: a step arriving while this link's
+        op loop waits, the stage is idle and nothing is queued before it is computed right here, in the reader task,
+        and its output written to the successor (`Link.send_nowait`) before the reader goes back to its socket:
+        no pass of trio's scheduler, no other task woken, between the bytes read and the bytes written. True: done
+        (the event is consumed). False: left to the op loop; when the step was computed but the write had to wait
+        (another write in progress, no credit, not a TCP stream), the op loop sends the output held for it."""
+        if type(ev) is not proto.BatchStep or link not in self._waiting or self.loaded is None or link in self._posted:
+            return False
+        ring = _ring_fields(ev.hidden)
+        if ring is None or not self.worker.runs_inline(ev.columns):
+            return False
+        try:
+            self.compute.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        t0 = time.perf_counter()
+        try:
+            out = self.worker.step_now(ev.columns, *ring, ev.sampling)
+        except Exception:   # refused (the op loop runs it again and reports), or busy
+            self.compute.release()
+            return False
+        t1 = time.perf_counter()
+        reply, out_link = self._reply(ev, out, link)
+        try:
+            sent = out_link.send_nowait(reply)
+        except LinkError as exc:
+            sent, reply = False, exc    # the op loop raises it, as its own send would have
+        if not sent:
+            self._posted[link] = (ev, _Held(reply, out, link.arrived, link.decoded), t0, t1)
+            return False
+        self.compute.release()
+        self.reader_steps += 1
+        self._done(ev, out, out_link, t0, t1, link.arrived, link.decoded)
+        return True
+
+    def _reply(self, ev, out, link):
+        """The event a step's output goes on as, and the link it goes on."""
+        if out.kind == _TOKENS:
+            tokens = struct.unpack(f"<{out.rows}i", out.data)
+            reply = proto.Done(ev.group, tokens) if self.forward else proto.Tokens(ev.group, tokens)
+        else:
+            act = proto.Activation(_WIRE_DTYPE[out.kind], (out.rows, out.cols), out.data)
+            reply = proto.BatchStep(ev.group, ev.wide, ev.columns, act, ev.sampling) if self.forward \
+                else proto.Hidden(ev.group, act)
+        return reply, (self.forward.link if self.forward else link)
+
+    def _done(self, ev, out, out_link, t0: float, t1: float, arrived: float, decoded: float) -> None:
+        t2 = time.perf_counter()
+        self.report.record(ev.columns, t2 - t0, self.vocab)
+        if self.stage_times is not None:
+            # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
+            # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage;
+            # then the clock (ms) when the frame's bytes were read, when this step began (rung by the reader or
+            # taken by the op loop), when the forward's write began, when the frame was decoded, when the output
+            # was held
+            to_w = out.done_ms - out.compute_ms - out.sent_ms
+            print(f"{self.loaded[0]} {self.loaded[1]} {len(ev.columns)} "
+                  f"{(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} {out.compute_ms:.4f} "
+                  f"{out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f} {arrived * 1e3:.4f} "
+                  f"{t0 * 1e3:.4f} {out_link.wrote * 1e3:.4f} {decoded * 1e3:.4f} {t1 * 1e3:.4f}",
+                  file=self.stage_times, flush=True)
 
     async def _op_loop(self, link, nursery, control: bool) -> None:
         while True:
@@ -501,13 +580,25 @@ class Peer:
             await link.send(proto.Error(proto.ErrorCode.UNEXPECTED, "no layers loaded yet"))
             return
         t0 = time.perf_counter()
-        arrived = link.arrived
-        decoded = link.decoded
+        arrived, decoded = link.arrived, link.decoded
         posted = self._posted.pop(link, None)
         if posted is not None and posted[0] is not ev:  # cannot happen (the op loop takes events in order): give up
-            self.worker.abandon(posted[1])
+            if not isinstance(posted[1], _Held):
+                self.worker.abandon(posted[1])
             self.compute.release()
             posted = None
+        if posted is not None and isinstance(posted[1], _Held):  # computed by the reader, the write left to us
+            held, t0, t1 = posted[1], posted[2], posted[3]
+            out, reply = held.out, held.reply
+            out_link = self.forward.link if self.forward else link
+            try:
+                if isinstance(reply, LinkError):
+                    raise reply
+                await out_link.send(reply)
+            finally:
+                self.compute.release()
+            self._done(ev, out, out_link, t0, t1, held.arrived, held.decoded)
+            return
         if posted is not None:      # rung by the Link's reader (`_take_step`): the compute permit is held already
             posted, t0 = posted[1], posted[2]
         else:
@@ -530,30 +621,11 @@ class Peer:
             else:
                 out = await self.worker.step_raw(ev.columns, data, kind, dim, ev.sampling)
             t1 = time.perf_counter()
-            if out.kind == _TOKENS:
-                tokens = struct.unpack(f"<{out.rows}i", out.data)
-                reply = proto.Done(ev.group, tokens) if self.forward else proto.Tokens(ev.group, tokens)
-            else:
-                act = proto.Activation(_WIRE_DTYPE[out.kind], (out.rows, out.cols), out.data)
-                reply = proto.BatchStep(ev.group, ev.wide, ev.columns, act, ev.sampling) if self.forward \
-                    else proto.Hidden(ev.group, act)
-            out_link = self.forward.link if self.forward else link
+            reply, out_link = self._reply(ev, out, link)
             await out_link.send(reply)
         finally:
             self.compute.release()
-        t2 = time.perf_counter()
-        self.report.record(ev.columns, t2 - t0, self.vocab)
-        if self.stage_times is not None:
-            # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
-            # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage;
-            # then the clock (ms) when the frame's bytes were read, when this step began (rung by the reader or
-            # taken by the op loop), when the forward's write began, when the frame was decoded, when the output
-            # was held
-            to_w = out.done_ms - out.compute_ms - out.sent_ms
-            print(f"{self.loaded[0]} {self.loaded[1]} {len(ev.columns)} "
-                  f"{(t1 - t0) * 1e3 - (out.received_ms - out.sent_ms):.4f} {to_w:.4f} {out.compute_ms:.4f} "
-                  f"{out.received_ms - out.done_ms:.4f} {(t2 - t1) * 1e3:.4f} {arrived * 1e3:.4f} {t0 * 1e3:.4f} "
-                  f"{out_link.wrote * 1e3:.4f} {decoded * 1e3:.4f} {t1 * 1e3:.4f}", file=self.stage_times, flush=True)
+        self._done(ev, out, out_link, t0, t1, arrived, decoded)
 
     async def _handle_inband(self, ev) -> None:
         if self.worker is not None and self.loaded is not None:

@@ -350,3 +350,47 @@ async def test_take_is_not_offered_errors_nor_events_behind_queued_ones():
             await client.send(p.Ack(p.MsgType.LOAD, 2))    # the queue is empty now: offered, then queued
             assert await server.receive() == p.Ack(p.MsgType.LOAD, 2)
         assert offered == [p.Ack(p.MsgType.LOAD, 2)]
+
+
+@asynccontextmanager
+async def socket_link_pair(**kw):
+    """(client link, server link) over a connected pair of trio sockets (TCP streams as `send_nowait` needs)."""
+    a, b = trio.socket.socketpair()
+    got = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        async def server() -> None:
+            async with open_link(trio.SocketStream(b), token=TOKEN, role="server", **kw) as link:
+                await got[0].send(link)
+                await trio.sleep_forever()
+
+        nursery.start_soon(server)
+        async with open_link(trio.SocketStream(a), token=TOKEN, role="client", **kw) as client:
+            yield client, await got[1].receive()
+        nursery.cancel_scope.cancel()
+
+
+async def test_send_nowait_writes_from_sync_code_and_a_partial_frame_goes_out_before_the_next():
+    """send_nowait writes a frame without yielding. What the socket does not take at once (a frame larger than its
+    buffer, the reader not reading yet) goes out, whole and first, before any frame sent after it."""
+    big = bytes(range(256)) * 16 * 1024                     # 4 MiB: more than a socket buffer takes at once
+    async with socket_link_pair() as (client, server):
+        with trio.fail_after(20):
+            await trio.testing.wait_all_tasks_blocked()     # the handshake's credit has arrived, no write runs
+            assert client.send_nowait(p.Ack(p.MsgType.LOAD, 1))
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 1)
+            assert client.send_nowait(p.ShipChunk(0, big))
+            assert client._tail                              # the rest waits for the control task
+            assert not client.send_nowait(p.Ack(p.MsgType.LOAD, 2))    # nothing may overtake it: refused
+            await client.send(p.Ack(p.MsgType.LOAD, 3))     # an ordinary send: after the tail
+            got = await server.receive()
+            assert isinstance(got, p.ShipChunk) and bytes(got.data) == big
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 3)
+            assert not client._tail
+
+
+async def test_send_nowait_declines_what_it_cannot_write_at_once():
+    async with link_pair() as (client, server):            # a memory stream: not a socket
+        assert not client.send_nowait(p.Ack(p.MsgType.LOAD))
+        assert not client.send_nowait(p.Ping(1))           # not flow-controlled: never
+        await client.send(p.Ack(p.MsgType.LOAD, 4))
+        assert await server.receive() == p.Ack(p.MsgType.LOAD, 4)

@@ -36,9 +36,12 @@ def reference(model, n: int) -> list[int]:
     return toks
 
 
-async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch):
+@pytest.mark.parametrize("in_peer", [False, True], ids=["worker-rung-from-reader", "stage-in-peer"])
+async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch, in_peer):
+    """Worker: steps are rung into the worker from the reader (opt-in, MESH_RING_FROM_READER=1). Stage in the peer
+    (the CPU default): a step of a compiled shape is computed in the reader and its output written from there."""
     monkeypatch.setenv("MESH_RING_FROM_READER", "1")     # opt-in (off by default: not shown to pay on 2 cores)
-    monkeypatch.setenv("MESH_STAGE_IN_PEER", "0")        # the ring is a worker process's (a CPU stage runs in the peer)
+    monkeypatch.setenv("MESH_STAGE_IN_PEER", "1" if in_peer else "0")
     want = reference(model, 6)
     sessions = trio.open_memory_channel(4)
 
@@ -65,11 +68,14 @@ async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(
                 assert isinstance(got, proto.Tokens) and got.group == group, got
                 return got.tokens[0]
 
-            rung = peer.reader_rings
+            rung, ran = peer.reader_rings, peer.reader_steps
             toks = [await step(1, [proto.Column(i, 0, i == len(PROMPT) - 1, t) for i, t in enumerate(PROMPT)])]
             for k, pos in enumerate(range(len(PROMPT), len(PROMPT) + 5)):
                 toks.append(await step(2 + k, [proto.Column(pos, 0, True, toks[-1])]))
-            assert peer.reader_rings - rung == 6          # each arrived on an idle stage: rung by the reader
+            if in_peer:     # loaded without warmup: each shape's first step compiles in a thread, the rest inline
+                assert (peer.reader_rings - rung, peer.reader_steps - ran) == (0, 4)
+            else:           # each arrived on an idle stage: rung by the reader
+                assert (peer.reader_rings - rung, peer.reader_steps - ran) == (6, 0)
             assert toks == want
             # A ZeroSlot and the step behind it in one write (one read on the peer's side): the step is queued
             # behind the ZeroSlot, so it is not rung from the reader and runs after it: on the emptied slot,
