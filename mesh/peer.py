@@ -90,7 +90,7 @@ class PeerRefused(MeshError):
 
 class _Held:
     """A step computed in the Link reader (`Peer._run_step_now`) whose output the op loop must still send: the
-    reply event (or the LinkError its write raised) and the step's output."""
+    reply event (or what building or writing it raised) and the step's output."""
     __slots__ = ("reply", "out", "arrived", "decoded")
 
     def __init__(self, reply, out, arrived: float, decoded: float) -> None:
@@ -133,6 +133,7 @@ class Peer:
         # MESH_STEP_IN_READER=0 leaves every step to the op loop (for A/B runs: bench/mesh_bench.py --ab)
         self.step_in_reader = os.environ.get("MESH_STEP_IN_READER", "1") != "0"
         self.reader_steps = 0               # steps computed and forwarded from a Link's reader (stage in the peer)
+        self.reader_held = 0                # steps computed there whose output the op loop had to send
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport(show_text=cfg.show_text)
@@ -333,13 +334,14 @@ class Peer:
             self.compute.release()
             return False
         t1 = time.perf_counter()
-        reply, out_link = self._reply(ev, out, link)
         try:
+            reply, out_link = self._reply(ev, out, link)
             sent = out_link.send_nowait(reply)
-        except LinkError as exc:
-            sent, reply = False, exc    # the op loop raises it, as its own send would have
+        except Exception as exc:        # a hook must not raise: the op loop raises it, as its own send would have
+            sent, reply = False, exc
         if not sent:
             self._posted[link] = (ev, _Held(reply, out, link.arrived, link.decoded), t0, t1)
+            self.reader_held += 1
             return False
         self.compute.release()
         self.reader_steps += 1
@@ -592,7 +594,7 @@ class Peer:
             out, reply = held.out, held.reply
             out_link = self.forward.link if self.forward else link
             try:
-                if isinstance(reply, LinkError):
+                if isinstance(reply, Exception):
                     raise reply
                 await out_link.send(reply)
             finally:

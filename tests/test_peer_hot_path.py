@@ -11,7 +11,7 @@ import trio
 import transport
 from engine.stage import Stage
 from mesh import proto
-from mesh.link import RemoteError, open_link
+from mesh.link import Link, RemoteError, open_link
 from mesh.peer import Peer, PeerConfig
 from tests.mesh_fixtures import write_tiny_chat_model
 
@@ -36,12 +36,15 @@ def reference(model, n: int) -> list[int]:
     return toks
 
 
-@pytest.mark.parametrize("in_peer", [False, True], ids=["worker-rung-from-reader", "stage-in-peer"])
-async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch, in_peer):
+@pytest.mark.parametrize("mode", ["worker", "in-peer", "in-peer-write-deferred"])
+async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(model, monkeypatch, mode):
     """Worker: steps are rung into the worker from the reader (opt-in, MESH_RING_FROM_READER=1). Stage in the peer
-    (the CPU default): a step of a compiled shape is computed in the reader and its output written from there."""
+    (the CPU default): a step of a compiled shape is computed in the reader and its output written from there; when
+    that write cannot happen at once (deferred: here forced), the op loop sends the output held for it."""
     monkeypatch.setenv("MESH_RING_FROM_READER", "1")     # opt-in (off by default: not shown to pay on 2 cores)
-    monkeypatch.setenv("MESH_STAGE_IN_PEER", "1" if in_peer else "0")
+    monkeypatch.setenv("MESH_STAGE_IN_PEER", "0" if mode == "worker" else "1")
+    if mode == "in-peer-write-deferred":
+        monkeypatch.setattr(Link, "send_nowait", lambda self, ev: False)
     want = reference(model, 6)
     sessions = trio.open_memory_channel(4)
 
@@ -68,14 +71,14 @@ async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(
                 assert isinstance(got, proto.Tokens) and got.group == group, got
                 return got.tokens[0]
 
-            rung, ran = peer.reader_rings, peer.reader_steps
+            before = (peer.reader_rings, peer.reader_steps, peer.reader_held)
             toks = [await step(1, [proto.Column(i, 0, i == len(PROMPT) - 1, t) for i, t in enumerate(PROMPT)])]
             for k, pos in enumerate(range(len(PROMPT), len(PROMPT) + 5)):
                 toks.append(await step(2 + k, [proto.Column(pos, 0, True, toks[-1])]))
-            if in_peer:     # loaded without warmup: each shape's first step compiles in a thread, the rest inline
-                assert (peer.reader_rings - rung, peer.reader_steps - ran) == (0, 4)
-            else:           # each arrived on an idle stage: rung by the reader
-                assert (peer.reader_rings - rung, peer.reader_steps - ran) == (6, 0)
+            counts = tuple(a - b for a, b in zip((peer.reader_rings, peer.reader_steps, peer.reader_held), before))
+            # each arrived on an idle stage: rung by the reader (worker); in the peer, loaded without warmup, each
+            # shape's first step compiles in a thread (the op loop's), the other 4 run in the reader
+            assert counts == {"worker": (6, 0, 0), "in-peer": (0, 4, 0), "in-peer-write-deferred": (0, 0, 4)}[mode]
             assert toks == want
             # A ZeroSlot and the step behind it in one write (one read on the peer's side): the step is queued
             # behind the ZeroSlot, so it is not rung from the reader and runs after it: on the emptied slot,
