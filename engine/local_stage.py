@@ -25,6 +25,7 @@ with the peer, and the coordinator names a peer that is gone.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -40,6 +41,16 @@ from engine.worker_proto import Load, Ready, WorkerInfo
 from engine.worker_records import DTYPE_NAME, KIND_BY_DTYPE
 
 __all__ = ["LocalStage", "open_stage_host", "stage_in_process"]
+
+# tinygrad's compiler and caches are not made for two threads at once. Loads and new shapes run in threads (one per
+# LocalStage, and a test process may hold several stages): they take this lock; an inline step (a replay of compiled
+# kernels) runs only while no thread holds it.
+_TINYGRAD = threading.Lock()
+
+
+def _locked(fn, *args):
+    with _TINYGRAD:
+        return fn(*args)
 
 
 def stage_in_process(device: str | None, env: dict | None = None) -> bool:
@@ -77,8 +88,8 @@ class LocalStage:
             self._check_open()
             self.info, self.stage, self._seen = None, None, set()  # the old range is freed before the new loads
             try:
-                stage, info = await trio.to_thread.run_sync(load_stage, Load(0, os.fspath(path), start, end, n_slots,
-                                                                             max_context, warmup, kv_blocks))
+                stage, info = await trio.to_thread.run_sync(_locked, load_stage, Load(
+                    0, os.fspath(path), start, end, n_slots, max_context, warmup, kv_blocks))
             except LoadRefused as exc:
                 raise WorkerCommandError("Load", str(exc)) from None
             self.stage, self.info = stage, info
@@ -115,7 +126,10 @@ class LocalStage:
         """`Worker.step_raw`: `data` (bytes-like, len(cols) x dim values of `kind`, or None) is read in place; the
         output comes back as bytes. Inline when `runs_inline`, else in a thread."""
         if self._lock.value and self.runs_inline(cols):
-            return self.step_now(cols, data, kind, dim, sampling)
+            try:
+                return self.step_now(cols, data, kind, dim, sampling)
+            except trio.WouldBlock:     # a thread of another stage of this process took tinygrad meanwhile
+                pass
         hidden = _hidden(cols, data, kind, dim)
         async with self._lock:
             t0 = time.monotonic_ns()
@@ -124,13 +138,19 @@ class LocalStage:
 
     def runs_inline(self, cols: Sequence[Column]) -> bool:
         """Whether a step of these columns has a shape this stage ran before (compiled: `step_now` may run it)."""
-        return _shape_key(cols) in self._seen
+        return _shape_key(cols) in self._seen and not _TINYGRAD.locked()
 
     def step_now(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`step_raw` synchronously, in the calling thread (a Link reader's hook, or the trio thread): for shapes
         that `runs_inline`. trio.WouldBlock when another call holds the stage."""
         hidden = _hidden(cols, data, kind, dim)
-        self._lock.acquire_nowait()
+        if not _TINYGRAD.acquire(blocking=False):
+            raise trio.WouldBlock
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            _TINYGRAD.release()
+            raise
         try:
             self._check_open()
             if self.stage is None:
@@ -143,6 +163,7 @@ class LocalStage:
             return _step_out(out, t0, time.monotonic_ns())
         finally:
             self._lock.release()
+            _TINYGRAD.release()
 
     async def _step(self, cols, hidden, sampling) -> np.ndarray:
         self._check_open()
@@ -151,10 +172,13 @@ class LocalStage:
             raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
         key = _shape_key(cols)
         try:
-            if key in self._seen:       # compiled: inline, no thread or process woken
-                out = stage.step(cols, hidden, sampling)
+            if key in self._seen and _TINYGRAD.acquire(blocking=False):   # compiled: inline, nothing woken
+                try:
+                    out = stage.step(cols, hidden, sampling)
+                finally:
+                    _TINYGRAD.release()
             else:                       # may compile for seconds: off the event loop
-                out = await trio.to_thread.run_sync(stage.step, cols, hidden, sampling)
+                out = await trio.to_thread.run_sync(_locked, stage.step, cols, hidden, sampling)
                 self._seen.add(key)
         except EngineError as exc:
             raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
@@ -176,8 +200,15 @@ class LocalStage:
             self._check_open()
             if self.stage is None:
                 raise WorkerCommandError(what, f"no model is loaded: send Load before {what}")
+            call = getattr(self.stage, fn)
             try:
-                getattr(self.stage, fn)(*args)
+                if _TINYGRAD.acquire(blocking=False):
+                    try:
+                        call(*args)
+                    finally:
+                        _TINYGRAD.release()
+                else:           # another stage of this process compiles in a thread: after it
+                    await trio.to_thread.run_sync(_locked, call, *args)
             except EngineError as exc:
                 raise WorkerCommandError(what, f"{type(exc).__name__}: {exc}") from None
 
@@ -272,7 +303,7 @@ async def open_stage_host(*, device: str | None = None) -> AsyncIterator[LocalSt
     from engine.worker_main import initialize_device
     _share_tinygrad_cache()
     try:
-        ready = await trio.to_thread.run_sync(initialize_device, device)
+        ready = await trio.to_thread.run_sync(_locked, initialize_device, device)
     except DeviceError as exc:
         raise WorkerError(f"device: {exc}") from None
     host = LocalStage(ready)
