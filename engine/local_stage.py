@@ -33,7 +33,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import trio
 
-from common.values import Column, SamplingArg
+from common.values import Column, Sampling, SamplingArg
 from engine.arena import PayloadKind
 from engine.errors import EngineError
 from engine.worker import PostedStep, StepOut, WorkerCommandError, WorkerError, open_worker
@@ -53,11 +53,11 @@ def _locked(fn, *args):
         return fn(*args)
 
 
-def stage_in_process(device: str | None, env: dict | None = None) -> bool:
-    """Whether a peer runs its stage in its own process: MESH_STAGE_IN_PEER=1 always, =0 never, else ("auto") when
-    the device is the CPU (asked for, or the platform's default without asking tinygrad)."""
+def stage_in_process(device: str | None, env: dict | None = None, default: str = "auto") -> bool:
+    """Whether a peer runs its stage in its own process: MESH_STAGE_IN_PEER (else `default`) "1" always, "0" never,
+    "auto" when the device is the CPU (asked for, or the platform's default without asking tinygrad)."""
     env = os.environ if env is None else env
-    mode = env.get("MESH_STAGE_IN_PEER", "auto")
+    mode = env.get("MESH_STAGE_IN_PEER", default)
     if mode in ("0", "1"):
         return mode == "1"
     if device is None:
@@ -94,7 +94,7 @@ class LocalStage:
                 raise WorkerCommandError("Load", str(exc)) from None
             self.stage, self.info = stage, info
             if warmup:   # Stage.warmup compiled the decode widths up to `warmup` and the prefill chunks
-                self._seen.update(((1,) * n, (True,) * n) for n in range(1, warmup + 1))
+                self._seen.update(((1,) * n, (True,) * n, g) for n in range(1, warmup + 1) for g in (True, False))
             return info
 
     def _loaded(self) -> WorkerInfo:
@@ -125,7 +125,7 @@ class LocalStage:
     async def step_raw(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`Worker.step_raw`: `data` (bytes-like, len(cols) x dim values of `kind`, or None) is read in place; the
         output comes back as bytes. Inline when `runs_inline`, else in a thread."""
-        if self._lock.value and self.runs_inline(cols):
+        if self._lock.value and self.runs_inline(cols, sampling):
             try:
                 return self.step_now(cols, data, kind, dim, sampling)
             except trio.WouldBlock:     # a thread of another stage of this process took tinygrad meanwhile
@@ -136,9 +136,9 @@ class LocalStage:
             out = await self._step(cols, hidden, sampling)
             return _step_out(out, t0, time.monotonic_ns())
 
-    def runs_inline(self, cols: Sequence[Column]) -> bool:
+    def runs_inline(self, cols: Sequence[Column], sampling: SamplingArg = None) -> bool:
         """Whether a step of these columns has a shape this stage ran before (compiled: `step_now` may run it)."""
-        return _shape_key(cols) in self._seen and not _TINYGRAD.locked()
+        return _shape_key(cols, sampling) in self._seen and not _TINYGRAD.locked()
 
     def step_now(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`step_raw` synchronously, in the calling thread (a Link reader's hook, or the trio thread): for shapes
@@ -170,7 +170,7 @@ class LocalStage:
         stage = self.stage
         if stage is None:
             raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
-        key = _shape_key(cols)
+        key = _shape_key(cols, sampling)
         try:
             if key in self._seen and _TINYGRAD.acquire(blocking=False):   # compiled: inline, nothing woken
                 try:
@@ -236,9 +236,14 @@ class LocalStage:
 _shared_db = None
 
 
-def _shape_key(cols) -> tuple:
+def _shape_key(cols, sampling=None) -> tuple:
     """What decides a step's compiled shape in the Stage, near enough: its runs of consecutive positions of one slot
-    (a prefill is one run, a decode step of n sequences n runs of 1) and which columns want logits."""
+    (a prefill is one run, a decode step of n sequences n runs of 1), which columns want logits, and whether every
+    sampling is greedy (the last stage then picks the tokens on the device: another compiled shape)."""
+    if sampling is None or isinstance(sampling, Sampling):
+        greedy = sampling is None or sampling.temperature == 0.0
+    else:
+        greedy = all(s.temperature == 0.0 for s in sampling)
     runs: list[int] = []
     prev = None
     for c in cols:
@@ -247,7 +252,7 @@ def _shape_key(cols) -> tuple:
         else:
             runs.append(1)
         prev = c
-    return tuple(runs), tuple(c.needs_logits for c in cols)
+    return tuple(runs), tuple(c.needs_logits for c in cols), greedy
 
 
 def _hidden(cols, data, kind: int, dim: int) -> np.ndarray | None:
@@ -292,10 +297,10 @@ def _share_tinygrad_cache() -> None:
 
 
 @asynccontextmanager
-async def open_stage_host(*, device: str | None = None) -> AsyncIterator[LocalStage | object]:
-    """The stage host a peer drives: a LocalStage when `stage_in_process(device)`, else a worker process
-    (`engine.worker.open_worker`). The device is chosen, set up and probed as a worker would."""
-    if not stage_in_process(device):
+async def open_stage_host(*, device: str | None = None, default: str = "auto") -> AsyncIterator[LocalStage | object]:
+    """The stage host a peer drives: a LocalStage when `stage_in_process(device, default=default)`, else a worker
+    process (`engine.worker.open_worker`). The device is chosen, set up and probed as a worker would."""
+    if not stage_in_process(device, default=default):
         async with open_worker(device=device) as worker:
             yield worker
         return

@@ -646,7 +646,8 @@ def peer_main(argv: list[str] | None = None) -> None:
                      advertise=args.advertise, model=model, layers=args.layers,
                      memory_mb=memory_hint_mb(args.memory_gb, args.device), cache_dir=args.cache_dir, device=args.device,
                      max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
-                     discovery_port=args.discovery_port, ice=_ice("mesh-peer", args))
+                     discovery_port=args.discovery_port, ice=_ice("mesh-peer", args),
+                     stage_in_peer="auto")      # a process of its own: a CPU stage runs in it (engine.local_stage)
     if model is not None:
         _check_model("mesh-peer", model)
     _run("mesh-peer", Peer(cfg).run)

@@ -78,6 +78,11 @@ class PeerConfig:
     discovery_port: int = 9000         # mesh.discovery.PORT
     retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
+    # Where a CPU stage runs (engine.local_stage; MESH_STAGE_IN_PEER overrides): "auto" = in this process on the CPU,
+    # as mesh-peer runs; "0" = a worker process, the default for a Peer embedded in a process that does other
+    # things (tests, benches): an inline step stops that process's event loop, and its tinygrad would share the
+    # process with the host's own
+    stage_in_peer: str = "0"
 
 
 class AuthRefused(MeshError):
@@ -146,7 +151,7 @@ class Peer:
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def run(self) -> None:
         host, _, port = self.cfg.listen.rpartition(":")
-        async with open_stage_host(device=self.cfg.device) as worker, open_rtc_lanes(self, self.cfg.ice) as rtc:
+        async with open_stage_host(device=self.cfg.device, default=self.cfg.stage_in_peer) as worker, open_rtc_lanes(self, self.cfg.ice) as rtc:
             self.worker = worker
             self.rtc = rtc
             self.backend = f"{worker.ready.device}" if worker.ready else ""
@@ -321,7 +326,7 @@ class Peer:
         if type(ev) is not proto.BatchStep or link not in self._waiting or self.loaded is None or link in self._posted:
             return False
         ring = _ring_fields(ev.hidden)
-        if ring is None or not self.worker.runs_inline(ev.columns):
+        if ring is None or not self.worker.runs_inline(ev.columns, ev.sampling):
             return False
         try:
             self.compute.acquire_nowait()

@@ -22,14 +22,19 @@ def test_the_cpu_runs_in_the_peer_every_other_device_in_a_worker():
     assert stage_in_process(None, {"DEV": "CPU"}) and not stage_in_process(None, {"DEV": "CUDA"})
     assert not stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "0"})
     assert stage_in_process("CUDA", {"MESH_STAGE_IN_PEER": "1"})
+    # a Peer embedded in another process defaults to a worker (PeerConfig.stage_in_peer "0"); mesh-peer says "auto"
+    assert not stage_in_process("CPU", {}, default="0") and stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "1"}, "0")
 
 
 def test_shape_keys_follow_runs_and_logits():
     decode2 = [Column(7, 0, True, 1), Column(3, 1, True, 2)]
     prefill = [Column(i, 0, i == 3, 1) for i in range(4)]
-    assert _shape_key(decode2) == ((1, 1), (True, True))
-    assert _shape_key(prefill) == ((4,), (False, False, False, True))
+    assert _shape_key(decode2) == ((1, 1), (True, True), True)
+    assert _shape_key(prefill) == ((4,), (False, False, False, True), True)
     assert _shape_key(prefill) != _shape_key([Column(i, 0, True, 1) for i in range(4)])
+    # sampled, not greedy: the last stage computes logits instead of picking on the device (another shape)
+    assert _shape_key(decode2, Sampling(temperature=0.7)) == ((1, 1), (True, True), False)
+    assert _shape_key(decode2, (Sampling(), Sampling(temperature=0.7)))[2] is False
 
 
 @pytest.fixture(scope="module")
