@@ -140,8 +140,10 @@ COLS = 4  # columns a thread block takes together (MESH_GPU_MV_COLS overrides)
 
 def gpu_cols(n: int) -> int:
     """Columns a thread block of the matvec takes together, for n columns: each decoded quant is multiplied into
-    all of them. Not a numerical choice: a column's operations are the same in any tile (tested bitwise)."""
-    return max(1, min(n, int(os.environ.get("MESH_GPU_MV_COLS", COLS))))
+    all of them. At most COLS, and as even as the tiles allow (5 columns: 3 + 2, not 4 + 1, so the last tile repeats
+    one column, not three). Not a numerical choice: a column's operations are the same in any tile (tested)."""
+    most = max(1, min(n, int(os.environ.get("MESH_GPU_MV_COLS", COLS))))
+    return -(-n // -(-n // most))
 
 
 SMALL_ROWS = 8192  # matrices of at most this many rows (an 8B layer's q/k/v, o, down) may take their own layout

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from tinygrad import Tensor
 
-from engine.matvec_gpu import gpu_layout
+from engine.matvec_gpu import gpu_cols, gpu_layout
 from engine.quant import QuantWeight, interleave_for, repack
 from tests.test_engine_quant import blocks_of
 
@@ -65,6 +65,8 @@ def test_gpu_layout_divides_the_blocks(monkeypatch):
     monkeypatch.delenv("MESH_GPU_MV")
     monkeypatch.setenv("MESH_GPU_MV_SMALL", "8,512")  # only matrices of few rows
     assert gpu_layout(128, 32, 4096) == (8, 64, 1) and gpu_layout(128, 32, 28672) == (8, 32, 1)
+    monkeypatch.delenv("MESH_GPU_MV_COLS", raising=False)  # columns a block: at most 4, tiles as even as can be
+    assert [gpu_cols(n) for n in (1, 3, 4, 5, 7, 9, 16)] == [1, 3, 4, 3, 4, 3, 4]
 
 
 @pytest.mark.parametrize("layout", ["4,256,2", "32,128,1", "2,64,4"])
