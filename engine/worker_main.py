@@ -163,16 +163,10 @@ class WorkerLoop:
         if not self.initialized:
             raise _Refuse("the worker is not initialized: send Initialize before Load")
         self.stage = None  # a Load replaces what was held, and frees it before loading the new range
-        gc.unfreeze()      # what the last load froze may be garbage now (a cycle): the collector sees it again
         try:
             self.stage, info = load_stage(cmd)
         except LoadRefused as exc:
             raise _Refuse(str(exc)) from None
-        # A loaded, warmed stage holds ~600 thousand gc-tracked objects (tinygrad's lowered kernels). A full
-        # collection scans them all, 0.3-1.3 s on a CPU, and one triggered by a step's allocations would stall
-        # the chain that long. Collected once here and frozen, they stay out of every later scan.
-        gc.collect()
-        gc.freeze()
         self.last_step_id = -1
         return Loaded(info)
 
@@ -297,6 +291,7 @@ def load_stage(cmd: Load):
         raise LoadRefused(f"kv_blocks ({cmd.kv_blocks}) must be at least 1, or 0 for the default")
     from engine.stage import Stage
     t0 = time.perf_counter()
+    gc.unfreeze()        # what the last load froze may be garbage now (in a cycle): the collector sees it again
     try:
         stage = Stage.load(cmd.path, cmd.start, cmd.end, n_slots=cmd.n_slots, max_context=cmd.max_context,
                            kv_blocks=cmd.kv_blocks or None)
@@ -304,6 +299,12 @@ def load_stage(cmd: Load):
         warm = stage.warmup(decode_batch=cmd.warmup) if cmd.warmup else None
     except EngineError as exc:
         raise LoadRefused(f"{type(exc).__name__}: {exc}") from None
+    # A loaded, warmed stage holds ~600 thousand gc-tracked objects (tinygrad's lowered kernels). A full collection
+    # scans them all, 0.3-1.3 s on a CPU, and one triggered by a step's allocations would stall the chain that
+    # long. Collected once here and frozen (in the worker, or the peer that holds the stage), they stay out of
+    # every later scan; what the process makes afterwards is collected as usual.
+    gc.collect()
+    gc.freeze()
     return stage, WorkerInfo(start=stage.start, end=stage.end, total=stage.meta.n_layers, dim=stage.meta.dim,
                              act_dtype=np.dtype(stage.act_dtype).name, weight_bytes=int(stage.weight_bytes),
                              kv_bytes=int(stage.kv_bytes), fingerprint=stage.meta.fingerprint, load_ms=load_ms,
