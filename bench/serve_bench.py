@@ -1,6 +1,7 @@
 """Serving many users at once: the scheduler's aggregate decode speed against one stream, side by side in one run.
 
     .venv/bin/python bench/serve_bench.py [--model PATH] [--streams 1,4,8,16] [--tokens 48] [--modes local,chain]
+                                          [--split 12,12,6] [--sampled]
 
 For each mode (`local`: one worker holding every layer; `chain`: a coordinator and 3 peers wired peer to peer on
 loopback, the peers in this process with their stages in worker processes, so their busy time can be read) and each
@@ -12,7 +13,9 @@ all n decode together for at least `--tokens` steps after the last one's prompt 
 - TTFT p50 / p95: arrival to first token, over the n streams (the prompts queue behind each other: under load);
 - busy (chain): the fraction of the window each stage spent computing a step (lock, worker step, forward send),
   from the peers' own step records; the pipeline's bubble is 1 minus that.
-A lone stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the
+`--split`: the chain's layers per stage (the peers pinned to them; default: the coordinator's memory placement,
+equal layers), the output head on the last. `--sampled`: every stream samples (temperature 0.8, top_p 0.95, its own
+seed) instead of decoding greedily. A lone stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the
 GEMM's order). Tokens are checked: every stream of every row must equal the same prompt run alone in that mode.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from collections import deque
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -63,7 +67,7 @@ async def local_pipe(model: Path, n_slots: int, warmup: int):
 
 
 @asynccontextmanager
-async def chain_pipe(model: Path, n_slots: int, warmup: int, peers: int = 3):
+async def chain_pipe(model: Path, n_slots: int, warmup: int, peers: int = 3, split: list[int] | None = None):
     token = secrets.token_urlsafe(24).encode()
     cfg = CoordConfig(model=model, listen="127.0.0.1:0", token=token, min_peers=peers, settle=0.3, wait=600,
                       n_slots=n_slots, max_context=CONTEXT, stage_warmup=warmup,   # Load gives every peer these
@@ -71,10 +75,14 @@ async def chain_pipe(model: Path, n_slots: int, warmup: int, peers: int = 3):
     async with trio.open_nursery() as nursery:
         coord = Coordinator(cfg)
         port = await coord.serve_registry(nursery)
-        members = []
-        for _ in range(peers):
+        members, cuts = [], [0]
+        for n in split or []:
+            cuts.append(cuts[-1] + n)
+        for i in range(peers):
+            # --split: each peer pinned to its range, loaded at start with the session's shapes (no reload)
+            pin = dict(layers=(cuts[i], cuts[i + 1]), n_slots=n_slots, max_context=CONTEXT, warmup=warmup) if split else {}
             p = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=token, listen="127.0.0.1:0", model=model,
-                                report_every=3600))
+                                report_every=3600, **pin))
             p.report.window = deque(maxlen=1_000_000)    # every step's busy time, not the last 256
             members.append(p)
             nursery.start_soon(p.run)
@@ -130,21 +138,33 @@ async def main() -> None:
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=48, help="decode steps every stream takes while all decode")
     ap.add_argument("--modes", default="local,chain")
+    ap.add_argument("--split", default=None,
+                    help="chain: layers per stage, e.g. 16,13,1 (default: the coordinator's memory placement, equal "
+                         "layers); the last stage also holds the output head")
+    ap.add_argument("--sampled", action="store_true",
+                    help="sample (temperature 0.8, top_p 0.95, a seed per stream) instead of greedy decoding")
     args = ap.parse_args()
+    split = [int(x) for x in args.split.split(",")] if args.split else None
+    if split and sum(split) != read_model_meta(args.model or default_model_path()).n_layers:
+        ap.error(f"--split {args.split} does not add up to the model's layers")
     model = args.model or default_model_path()
     tok = Tokenizer.from_gguf(model)
     counts = [int(x) for x in args.streams.split(",")]
     n_slots = max(counts)
+    sampling = (lambda i: Sampling(temperature=0.8, top_p=0.95, seed=1000 + i)) if args.sampled else \
+        (lambda i: Sampling())
     print(f"model {model.name}, streams {counts}, >= {args.tokens} decode steps together, context {CONTEXT}, "
-          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
+          f"{'sampled' if args.sampled else 'greedy'}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
     for mode in args.modes.split(","):
         stages_n = 1 if mode == "local" else 3
         widths = math.ceil(max(counts) / stages_n)      # the widest decode batch the scheduler forms
-        opener = local_pipe if mode == "local" else chain_pipe
+        opener = local_pipe if mode == "local" else partial(chain_pipe, split=split)
         t_load = time.monotonic()
         async with opener(model, n_slots, widths) as (pipe, stages):
-            print(f"\n{mode}: {stages_n} stage(s), decode widths 1..{widths} compiled at load "
-                  f"({time.monotonic() - t_load:.0f} s with the fleet)", flush=True)
+            layers = " + ".join(f"{p.loaded[0]}..{p.loaded[1]}" for p in stages)
+            print(f"\n{mode}: {stages_n} stage(s){' (layers ' + layers + ', the head on the last)' if stages else ''}, "
+                  f"decode widths 1..{widths} compiled at load ({time.monotonic() - t_load:.0f} s with the fleet)",
+                  flush=True)
             print(f"{'streams':>16s} {'agg tok/s':>9s} {'x1':>6s} {'per-stream':>10s} {'TTFT p50':>9s} "
                   f"{'p95':>7s}  {'busy per stage':<16s} tokens", flush=True)
             all_ids = prompts(tok, max(counts))
@@ -154,11 +174,11 @@ async def main() -> None:
             for n in counts:
                 ids = all_ids[:n]
                 chunks = sum(math.ceil(len(p) / 16) for p in ids)
-                reqs = [Request(p, args.tokens + chunks + 1, Sampling(), frozenset()) for p in ids]
+                reqs = [Request(p, args.tokens + chunks + 1, sampling(i), frozenset()) for i, p in enumerate(ids)]
                 r = await run_streams(pipe, reqs, n_slots)
                 for i, out in enumerate(r["tokens"]):      # each stream against its prompt alone (this mode)
                     if i not in alone:
-                        alone[i] = (await run_streams(pipe, [Request(ids[i], need, Sampling(), frozenset())],
+                        alone[i] = (await run_streams(pipe, [Request(ids[i], need, sampling(i), frozenset())],
                                                       n_slots))["tokens"][0]
                 same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]))
                 if n == 1:
