@@ -1,6 +1,6 @@
 """Re-forming leaves nothing behind (issue 12, Faults: the soak's memory must stay flat over hours of re-forms).
 
-One process holds the coordinator and two in-process peers (tiny model, one layer each). The fleet is formed many
+One process holds the coordinator and two in-process peers (tiny model, one layer each). The fleet is formed 19
 times, as a service re-forms it: each session starts a Scheduler, streams an answer, and ends, every other one by an
 error out of a session task (the way a failed chain ends one). After a few sessions of warm-up (caches, the peers'
 first load), the objects alive by type must not grow with the number of sessions: a session's sink listener,
@@ -24,7 +24,7 @@ from mesh.session import open_session
 from tests.mesh_fixtures import free_port, write_tiny_chat_model
 
 TOKEN = b"reform-memory-test-token-0123456789"
-WARMUP, MEASURED = 3, 5          # sessions of warm-up, then two measured stretches of MEASURED sessions each
+WARMUP, MEASURED = 3, 8          # sessions of warm-up, then two measured stretches of MEASURED sessions each
 TOKENS = 24      # the warm-up's ~75 steps fill each worker client's bounded diagnostics deque (64 envelopes)
 
 
@@ -101,12 +101,13 @@ async def test_sessions_leave_no_objects_behind(model, monkeypatch):
                 nursery.cancel_scope.cancel()
     finally:
         gc.unfreeze()
-    # A leak grows with the sessions: in both stretches, by one object a session or more. A one-off step (a bounded
-    # cache or history filling up, a worker thread of trio's started) shows in one stretch only; what tasks in flight
-    # hold at the moment of counting (a coroutine's bound send, a memoryview being written) is a few either way.
+    # A leak grows with the sessions: in both stretches, by one object a session or more (8 a stretch). A one-off step
+    # (a bounded cache or history filling up, a worker thread of trio's started) shows in one stretch only; what tasks
+    # in flight hold at the moment of counting (a coroutine's bound send, a lock's bound acquire) is up to ~5 either
+    # way (seen once under a loaded suite: 19 then 5 bound builtins). 6 of 8 parts the two.
     a, b, c = counts
     grown = {name: (b[name] - a[name], c[name] - b[name]) for name in c
-             if min(b[name] - a[name], c[name] - b[name]) >= MEASURED}
+             if min(b[name] - a[name], c[name] - b[name]) >= MEASURED * 3 // 4}
     assert not grown, f"objects alive grew in both stretches of {MEASURED} sessions: {grown}"
     for name in ("Session", "Fleet", "Scheduler", "ChainPipeline", "Generation", "Answer"):
         assert c[name] == 0, f"{c[name]} {name} object(s) outlived their session"
