@@ -21,13 +21,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHAPES = {"gate_up": (3072, 576, "Q4_1"), "down": (576, 1536, "Q4_1"), "qkv": (960, 576, "Q4_1"),
-          "head": (49152, 576, "Q8_0")}
+          "head": (49152, 576, "Q8_0"),
+          # other resident types at a Q4_K_M-like layer's shapes (Gemma 3 270M: dim 640, ffn 2048)
+          "q4_k": (4096, 1024, "Q4_K"), "q5_k": (4096, 1024, "Q5_K"), "q6_k": (1024, 2048, "Q6_K"),
+          "q4_0": (4096, 1024, "Q4_0"), "q5_0": (4096, 1024, "Q5_0"), "q5_1": (4096, 1024, "Q5_1"),
+          "q8_0": (4096, 1024, "Q8_0")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="git revision whose engine/quant.py is the old kernel")
-    ap.add_argument("--mats", default=",".join(SHAPES))
+    ap.add_argument("--mats", default="gate_up,down,qkv,head", help=f"of {','.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q

@@ -168,38 +168,46 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
             g, lane, ends = UOp.range(G, 0, AxisType.GLOBAL), UOp.range(il, 1, AxisType.LOCAL), ()
             acc_lane, gi, core, u = UOp.const(0, dtypes.int), g, g, None
             n = UOp.range(N, 3)
-        else:  # a thread per core: lanes become SIMD registers, independent accumulators with no reassociation.
-            # Columns outside the row groups: the norm's sum of squares (a serial chain of C dependent adds, which
-            # clang keeps scalar) runs once per column and core, not once per group (SmolLM2's head: 3072 times)
+        else:  # a thread per core, U row groups at once (independent chains in flight). Columns outside the row
+            # groups: the norm's sum of squares (a serial chain of C dependent adds, which clang keeps scalar) runs
+            # once per column and core, not once per group (SmolLM2's head: 3072 times)
             U = next(k for k in (GROUPS, 3, 2, 1) if k <= GROUPS and (G // threads) % k == 0)
             core, n = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(N, 1)
             gi, u = UOp.range(G // threads // U, 2), UOp.range(U, 97, AxisType.UPCAST)
-            g, lane, ends = core * (G // threads) + gi * U + u, UOp.range(il, 3, AxisType.UPCAST), (gi, n, core)
-            acc_lane = u * il + lane + 1  # REG sums indexed from 1: see below
+            g, ends = core * (G // threads) + gi * U + u, (gi, n, core)
         # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
         # and a reset tied only to it would run once for the whole kernel
         outer = (n, g, lane) if gpu else (n, gi, core)
         xv = fused_input(x, n, C, fused, norm_w, (n, g, lane) if gpu else (n, core))
         b = UOp.range(nb, 4, AxisType.REDUCE)
-        byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
-        half = lambda i: halfs[g, b, i, lane].cast(F32)
         regs = (1,) if gpu else (U * il + 1,)
         acc = UOp.placeholder(regs, F32, 0, addrspace=AddrSpace.REG)
-        acc = acc.after(*outer)[acc_lane].set(0.0)
         # sub-blocks are unrolled here, in Python: their shifts and byte offsets become constants (Q4_1 2x, Q4_K
         # 5x faster than a loop over them)
         if not gpu:  # the GEMM's order: one chain per row through every value of every block
+            # A group's il rows are a plain loop inside the loop over values, not an UPCAST: clang's loop vectorizer
+            # makes it one 16-float vector per row group (two with AVX2), keeps the U x il sums in registers across
+            # the values and hoists the scales' loads out of them (read in the assembly). Written out by tinygrad
+            # (UPCAST), the same kernel was 16x more UOps to rewrite (a Q6_K matvec 27k, 11 s to build; now ~2k,
+            # 1 s), for the same or slower code. REG sums indexed from 1 (engine/quant_gemm.py says why).
+            lane = UOp.range(il, 190)
+            acc = acc.after(*outer)[u * il + lane + 1].set(0.0, end=lane)
             for si in range(spec.sub):
-                j = UOp.range(spec.width, 5 + 2 * si, AxisType.REDUCE)
+                j, lane = UOp.range(spec.width, 5 + 2 * si, AxisType.REDUCE), UOp.range(il, 200 + si)
+                byte = lambda k, lane=lane: rest[g, b, k, lane].cast(dtypes.int)
+                half = lambda i, lane=lane: halfs[g, b, i, lane].cast(F32)
                 w = spec.q(byte, si, j).cast(F32) * spec.scale(byte, half, si)
                 if spec.offset is not None:
                     w = w + spec.offset(byte, half, si)
-                last = si == spec.sub - 1
-                acc = acc[acc_lane].set(acc.after(b, j)[acc_lane] + w * xv(b * E + si * spec.width + j),
-                                        end=(j, b, lane, u) if last else j)
+                i = u * il + lane + 1
+                acc = acc[i].set(acc.after(b, j)[i] + w * xv(b * E + si * spec.width + j),
+                                 end=(lane, j, b, u) if si == spec.sub - 1 else (lane, j))
             lane, u = UOp.range(il, 99), UOp.range(U, 98)  # the results leave in loops of their own; ids above
             acc_lane, g = u * il + lane + 1, core * (G // threads) + gi * U + u  # every sub-block's (5 + 2 * sub)
         else:  # GPU (MESH_GPU_MV=naive): q * x summed per sub-block, scaled once (llama.cpp's order)
+            byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
+            half = lambda i: halfs[g, b, i, lane].cast(F32)
+            acc = acc.after(*outer)[acc_lane].set(0.0)
             term = None
             for si in range(spec.sub):
                 s, rid = si, 5 + 2 * si  # a Python int: constant offsets that tinygrad can prove in bounds
