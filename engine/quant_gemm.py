@@ -105,25 +105,27 @@ def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: b
                 w = w + spec.offset(byte, half, si)
             decs.append(wb.after(accm, b)[(si * W + j) * il + lane + 1].store(w).end(lane, j))
         wb = wb.after(*decs)
-        # 2. multiply the decoded block into each tile of T columns
-        nt = UOp.range(NT, 4)
-        lane, t = UOp.range(il, 5, AxisType.UPCAST), UOp.range(T, 6, AxisType.UPCAST)
+        # 2. multiply the decoded block into each tile of T columns. The il rows are a plain loop inside each step
+        # (not an UPCAST that tinygrad writes out): clang's loop vectorizer makes them one vector (two with AVX2)
+        # per column, and keeps the tile's T sums in registers across the values
+        nt, t = UOp.range(NT, 4), UOp.range(T, 6, AxisType.UPCAST)
         col = nt * T + t
         n = (col < N).where(col, N - 1) if N % T else col  # a ragged last tile re-reads the last column
-        i = t * il + lane
         acc = UOp.placeholder((T * il,), F32, 2, addrspace=AddrSpace.REG)
-        acc = acc.after(nt, b)[i].set(accm.after(wb)[col * il + lane + 1])
+        lane = UOp.range(il, 150)  # ids above the decode's (10 + 2 * sub)
+        acc = acc.after(nt, b)[t * il + lane].set(accm.after(wb)[col * il + lane + 1], end=lane)
         # the values in order, UNROLL at a time in one loop step (unrolled here, so the sums keep their order): a
         # loop of one value a step made clang copy every accumulator and broadcast once a step (FMAs of the 213
         # form, the last step peeled), ~20% of the kernel's time on Zen 5
         U = UNROLL if E % UNROLL == 0 else 1
-        jo = UOp.range(E // U, 7, AxisType.REDUCE)
-        val = acc.after(jo)[i]
+        jo, lane = UOp.range(E // U, 7, AxisType.REDUCE), UOp.range(il, 151)
+        val = acc.after(jo)[t * il + lane]
         for u in range(U):
             jj = jo * U + u
             val = val + wb[jj * il + lane + 1] * x[n, b * E + jj]
-        acc = acc[i].set(val, end=jo)
-        back = accm[col * il + lane + 1].store(acc[i]).end(lane, t).end(nt).end(b)
+        acc = acc[t * il + lane].set(val, end=(lane, jo))
+        lane = UOp.range(il, 152)
+        back = accm[col * il + lane + 1].store(acc[t * il + lane]).end(lane, t).end(nt).end(b)
         # 3. the real columns out, with the residual
         c, ls = UOp.range(N, 8), UOp.range(il, 9, AxisType.UPCAST)
         row = g * il + ls
