@@ -30,6 +30,8 @@ from tinygrad.helpers import JIT, JIT_BATCH_SIZE, Context, getenv
 from tinygrad.tensor import all_tensors
 from tinygrad.uop.ops import Ops
 
+from engine.matvec_gpu import magic_word
+
 __all__ = ["NotShareable", "block_kind", "block_tensors", "capture_shared"]
 
 
@@ -62,6 +64,11 @@ def block_tensors(block) -> list[Tensor]:
     dataclass fields (Weight, QuantWeight) in declaration order."""
     out: list[Tensor] = []
     _walk([v for _, v in sorted(_attrs(block).items())], out, set())
+    # the GPU matvec's exponent words (engine/matvec_gpu.magic_word), read by its every kernel: an input of every
+    # layer like its weights (as a live tensor read but not an input, the layer would not be shareable)
+    for dev in sorted({str(t.device) for t in out if not str(t.device).startswith(("CPU", "DISK"))}):
+        if all((m := magic_word(dev)) is not t for t in out):
+            out.append(m)
     return out
 
 

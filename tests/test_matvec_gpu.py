@@ -152,3 +152,29 @@ def test_a_column_alone_and_in_a_batch_has_the_same_bits(qtype, n, tile, monkeyp
         np.testing.assert_array_equal(_run(raw, qtype, rows, cols, x[i:i + 1], "norm")[0], batch[i])
     monkeypatch.setenv("MESH_GPU_MV_COLS", "1")  # the same bits as a block a column
     np.testing.assert_array_equal(_run(raw, qtype, rows, cols, x, "norm"), batch)
+
+
+def test_layers_with_the_gpu_matvec_share_one_capture():
+    """engine/shared_layers.py on a GPU-style device: the matvec's exponent words (a live tensor every kernel reads)
+    are an input of each layer, so two layers share one capture (it raised NotShareable: a whole-step capture per
+    shape at warmup) and give the bits of the layers run one by one."""
+    from engine.shared_layers import block_tensors, capture_shared
+
+    class Layer:
+        def __init__(self, seed):
+            r, h = repack(blocks_of("Q8_0", 16, 256, seed), Q.Q8_0, interleave_for(16))
+            self.w = QuantWeight(Tensor(r, device=DEV).realize(), Tensor(h, device=DEV).realize(), (16, 256), Q.Q8_0)
+
+    def layer(b, x, cos, sin):  # x read by the first kernel only, as a real layer (the output may reuse x)
+        h = (x * 2).contiguous()
+        return (b.w.matmul_t(h).repeat(1, 16) + h).contiguous()
+
+    blocks = [Layer(1), Layer(2)]
+    assert any(t.shape == (3,) for t in block_tensors(blocks[0]))
+    x = Tensor(np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32), device=DEV).realize()
+    cos, sin = (Tensor.zeros(1, device=DEV).contiguous().realize() for _ in range(2))
+    want = x
+    for b in blocks:
+        want = layer(b, want, cos, sin)
+    jit, _ = capture_shared(blocks, layer, None, [x, cos, sin], [])
+    np.testing.assert_array_equal(jit(x, cos, sin).numpy(), want.numpy())
