@@ -36,7 +36,7 @@ import trio
 from common.values import Column, Sampling, SamplingArg
 from engine.arena import PayloadKind
 from engine.errors import EngineError
-from engine.worker import PostedStep, StepOut, WorkerCommandError, WorkerError, open_worker
+from engine.worker import LoadedRange, PostedStep, StepOut, WorkerCommandError, WorkerError, open_worker
 from engine.worker_proto import Load, Ready, WorkerInfo
 from engine.worker_records import DTYPE_NAME, KIND_BY_DTYPE
 
@@ -68,8 +68,9 @@ def stage_in_process(device: str | None, env: dict | None = None, default: str =
     return (device or "").split(":")[0].upper() in ("CPU", "CLANG")
 
 
-class LocalStage:
+class LocalStage(LoadedRange):
     """The worker client's API over a Stage held by this process. Build it with `open_stage_host`."""
+    _holder = "process"
 
     def __init__(self, ready: Ready) -> None:
         self.ready = ready
@@ -96,27 +97,6 @@ class LocalStage:
             if warmup:   # Stage.warmup compiled the decode widths up to `warmup` and the prefill chunks
                 self._seen.update(((1,) * n, (True,) * n, g) for n in range(1, warmup + 1) for g in (True, False))
             return info
-
-    def _loaded(self) -> WorkerInfo:
-        if self.info is None:
-            raise WorkerError(f"process {self.pid} has no model loaded")
-        return self.info
-
-    @property
-    def first(self) -> bool:
-        return self._loaded().first
-
-    @property
-    def last(self) -> bool:
-        return self._loaded().last
-
-    @property
-    def dim(self) -> int:
-        return self._loaded().dim
-
-    @property
-    def act_dtype(self) -> np.dtype:
-        return np.dtype(self._loaded().act_dtype)
 
     async def step(self, cols: Sequence[Column], hidden: np.ndarray | None, sampling: SamplingArg) -> np.ndarray:
         async with self._lock:

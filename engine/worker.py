@@ -120,7 +120,36 @@ class PostedStep:
         self.cid, self.step_id, self.unsent = cid, step_id, unsent
 
 
-class Worker:
+class LoadedRange:
+    """What a stage holder (a `Worker`, or engine/local_stage.py's `LocalStage`) tells of the range it loaded: its
+    `info` (None until a Load succeeds), read through properties that name the process when nothing is loaded."""
+    info: WorkerInfo | None
+    pid: int
+    _holder = "worker process"
+
+    def _loaded(self) -> WorkerInfo:
+        if self.info is None:
+            raise WorkerError(f"{self._holder} {self.pid} has no model loaded")
+        return self.info
+
+    @property
+    def first(self) -> bool:
+        return self._loaded().first
+
+    @property
+    def last(self) -> bool:
+        return self._loaded().last
+
+    @property
+    def dim(self) -> int:
+        return self._loaded().dim
+
+    @property
+    def act_dtype(self) -> np.dtype:
+        return np.dtype(self._loaded().act_dtype)
+
+
+class Worker(LoadedRange):
     """A running worker process. Build it with `open_worker`."""
 
     def __init__(self, process: trio.Process, arena: Arena) -> None:
@@ -158,27 +187,6 @@ class Worker:
                                                   kv_blocks), Loaded)
         self.info = ev.info
         return ev.info
-
-    def _loaded(self) -> WorkerInfo:
-        if self.info is None:
-            raise WorkerError(f"worker process {self.pid} has no model loaded")
-        return self.info
-
-    @property
-    def first(self) -> bool:
-        return self._loaded().first
-
-    @property
-    def last(self) -> bool:
-        return self._loaded().last
-
-    @property
-    def dim(self) -> int:
-        return self._loaded().dim
-
-    @property
-    def act_dtype(self) -> np.dtype:
-        return np.dtype(self._loaded().act_dtype)
 
     async def step(self, cols: Sequence[Column], hidden: np.ndarray | None, sampling: SamplingArg) -> np.ndarray:
         """Like `Stage.step`: (len(cols), dim) activations for a non-last stage, int32 token ids for the last."""
