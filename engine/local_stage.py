@@ -77,6 +77,7 @@ class LocalStage(LoadedRange):
         self.pid = os.getpid()
         self.info: WorkerInfo | None = None
         self.stage = None
+        self._delay = 0.0
         self._seen: set = set()                       # step shapes run before: these run inline
         self._lock = trio.Semaphore(1, max_value=1)
         self._closed = False
@@ -84,7 +85,7 @@ class LocalStage(LoadedRange):
     # ---- what the peer and mesh.speed use of a worker ----
     async def load(self, path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
                    warmup: int = 1, kv_blocks: int = 0) -> WorkerInfo:
-        from engine.worker_main import LoadRefused, load_stage
+        from engine.worker_main import LoadRefused, load_stage, slowdown_s
         async with self._lock:
             self._check_open()
             self.info, self.stage, self._seen = None, None, set()  # the old range is freed before the new loads
@@ -94,6 +95,7 @@ class LocalStage(LoadedRange):
             except LoadRefused as exc:
                 raise WorkerCommandError("Load", str(exc)) from None
             self.stage, self.info = stage, info
+            self._delay = slowdown_s(stage)   # test-only slowness (MESH_TEST_SLOW_MS_PER_LAYER), as in a worker
             if warmup:   # Stage.warmup compiled the decode widths up to `warmup` and the prefill chunks
                 self._seen.update(((1,) * n, (True,) * n, g) for n in range(1, warmup + 1) for g in (True, False))
             return info
@@ -140,6 +142,8 @@ class LocalStage(LoadedRange):
                 out = self.stage.step(cols, hidden, sampling)
             except EngineError as exc:
                 raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
+            if self._delay:
+                time.sleep(self._delay)
             return _step_out(out, t0, time.monotonic_ns())
         finally:
             self._lock.release()
@@ -162,6 +166,8 @@ class LocalStage(LoadedRange):
                 self._seen.add(key)
         except EngineError as exc:
             raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
+        if self._delay:
+            time.sleep(self._delay)
         return out
 
     # The split step of a worker (a Link reader rings, the op loop awaits) wins nothing here: refused, so the peer

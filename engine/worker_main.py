@@ -47,6 +47,12 @@ from engine.worker_records import (DOORBELL, doorbell, DTYPE_NAME, KIND_BY_DTYPE
 _SLOW_MS_PER_LAYER = float(os.environ.get("MESH_TEST_SLOW_MS_PER_LAYER") or 0)
 
 
+def slowdown_s(stage) -> float:
+    """The sleep each step of `stage` adds under MESH_TEST_SLOW_MS_PER_LAYER (0.0 when unset), wherever the stage
+    runs: this worker, or a peer's own process (engine/local_stage.py)."""
+    return _SLOW_MS_PER_LAYER * (stage.end - stage.start) / 1000
+
+
 class _Exit(Exception):
     def __init__(self, code: int) -> None:
         self.code = code
@@ -204,7 +210,7 @@ class WorkerLoop:
         finally:
             del hidden
         if _SLOW_MS_PER_LAYER:  # test-only: a device this many ms per layer slower (a sleep: it costs no CPU)
-            time.sleep(_SLOW_MS_PER_LAYER * (stage.end - stage.start) / 1000)
+            time.sleep(slowdown_s(stage))
         compute_ms = (time.perf_counter() - t0) * 1000
         self.last_step_id = cmd.step_id
         out = np.ascontiguousarray(out)
