@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.matvec_ab import SHAPES  # noqa: E402
+from bench.matvec_ab import SHAPES, random_weight  # noqa: E402
 
 SHAPES = {**SHAPES, "head": (3072, 576, "Q8_0")}  # a slice of the head: the GEMM never runs it, prefill wants no logits
 
@@ -35,9 +35,8 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=16, help="columns of the step (a prefill chunk is 16)")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from tinygrad import Device, Tensor, TinyJit
-    from engine import quant, quant_gemm
+    from engine import quant_gemm
     src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant_gemm.py"], text=True)
     old = types.ModuleType("quant_gemm_base")
     sys.modules["quant_gemm_base"] = old
@@ -46,14 +45,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):
         rows, cols, tname = SHAPES[name]
-        t = Q[tname]
-        bs, bb = GGML_QUANT_SIZES[t]
-        raw = rng.integers(0, 256, (rows, cols // bs * bb), dtype=np.uint8)
-        for off in quant.HALF_FIELDS[t]:  # finite, small scales
-            scales = rng.uniform(-0.01, 0.01, (rows, cols // bs)).astype(np.float16)
-            raw.reshape(rows, -1, bb)[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
-        rest, halfs = quant.repack(raw, t, 16)
-        w = quant.QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), t)
+        w = random_weight(rows, cols, tname, rng)
         x = Tensor(rng.standard_normal((a.cols, cols)).astype(np.float32)).realize()
         fns, outs, ts, build = {}, {}, {"old": [], "new": []}, {}
         for tag, k in kernels.items():

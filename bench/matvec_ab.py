@@ -28,13 +28,27 @@ SHAPES = {"gate_up": (3072, 576, "Q4_1"), "down": (576, 1536, "Q4_1"), "qkv": (9
           "q8_0": (4096, 1024, "Q8_0")}
 
 
+def random_weight(rows: int, cols: int, tname: str, rng: np.random.Generator):
+    """A resident quant weight (engine/quant.py QuantWeight) of random blocks whose f16 scales are small and finite."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from tinygrad import Tensor
+    from engine import quant
+    t = Q[tname]
+    bs, bb = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (rows, cols // bs * bb), dtype=np.uint8)
+    for off in quant.HALF_FIELDS[t]:
+        scales = rng.uniform(-0.01, 0.01, (rows, cols // bs)).astype(np.float16)
+        raw.reshape(rows, -1, bb)[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
+    rest, halfs = quant.repack(raw, t, 16)
+    return quant.QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="git revision whose engine/quant.py is the old kernel")
     ap.add_argument("--mats", default="gate_up,down,qkv,head", help=f"of {','.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from tinygrad import Device, Tensor, TinyJit
     from engine import quant
     src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant.py"], text=True)
@@ -45,14 +59,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):
         rows, cols, tname = SHAPES[name]
-        t = Q[tname]
-        bs, bb = GGML_QUANT_SIZES[t]
-        raw = rng.integers(0, 256, (rows, cols // bs * bb), dtype=np.uint8)
-        for off in quant.HALF_FIELDS[t]:  # finite, small scales
-            scales = rng.uniform(-0.01, 0.01, (rows, cols // bs)).astype(np.float16)
-            raw.reshape(rows, -1, bb)[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
-        rest, halfs = quant.repack(raw, t, 16)
-        w = quant.QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), t)
+        w = random_weight(rows, cols, tname, rng)
         x = Tensor(rng.standard_normal((1, cols)).astype(np.float32)).realize()
         nw = Tensor(rng.standard_normal(cols).astype(np.float32)).realize()
         kw = {} if name == "down" else {"norm": (nw, 1e-5)}
