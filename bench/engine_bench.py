@@ -33,17 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.memory import status_kb  # noqa: E402
 
 QUESTION = "Write a short poem about the sea."
-
-
-def _status_kb(field: str) -> int:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec, so a child would report its parent's peak
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def prompt_ids(path: Path) -> list[int]:
@@ -223,7 +215,7 @@ def child(path: Path, start: int, end: int, weights: str, ctx: int) -> None:
     from tinygrad import Tensor
     (Tensor([1.0]) * 2).realize()  # the device and its worker threads count in the baseline, not in the stage
     page_in(path, start, end)  # the range in the page cache for both the load and the floor
-    base = _status_kb("VmRSS")
+    base = status_kb("VmRSS")
     t, c = time.perf_counter(), time.thread_time()
     s = Stage.load(path, start, end, n_slots=1, max_context=ctx, weights=weights)
     load_s, load_cpu = time.perf_counter() - t, time.thread_time() - c
@@ -232,7 +224,7 @@ def child(path: Path, start: int, end: int, weights: str, ctx: int) -> None:
     s.step(cols, hidden)
     for i in range(4):
         s.step([Column(8 + i, 0, True, 1)], None if s.first else np.zeros((1, s.dim), np.float32))
-    peak = _status_kb("VmHWM")
+    peak = status_kb("VmHWM")
     file_bytes, copy_s, copy_cpu = read_and_copy(path, start, end)
     print(json.dumps({"range": [start, end], "load_s": load_s, "load_cpu_s": load_cpu, "copy_cpu_s": copy_cpu,
                       "weight_mb": s.weight_bytes / 1e6,

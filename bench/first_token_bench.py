@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.environ.get("MESH_TREE") or str(Path(__file__).resolve().parents[1]))
+from common.memory import status_kb  # noqa: E402
 
 TEXT = ("The sea was calm that morning, and the fishing boats left the harbour one after another while the gulls "
         "circled above the masts. Old Tomas watched them from the pier, remembering the winters when the storms had "
@@ -27,11 +28,7 @@ TEXT = ("The sea was calm that morning, and the fishing boats left the harbour o
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return status_kb("VmRSS") / 1024
 
 
 def main() -> None:

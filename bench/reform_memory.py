@@ -18,16 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.memory import status_kb  # noqa: E402
 
 TOKEN = b"reform-memory-token-0123456789abcdef"
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return status_kb("VmRSS") / 1024
 
 
 def malloc_mb() -> tuple[float, float]:

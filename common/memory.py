@@ -6,6 +6,7 @@ their high-water marks. A long-lived coordinator then steps up by a few MB at ea
 objects it holds stay the same (bench/reform_memory.py; NOTES "Faults"). `malloc_trim(0)` walks every arena and
 returns its free pages (MADV_DONTNEED on whole free pages inside a heap, not only at its top): a few ms, ~50 ms
 right after ~100 MB were freed in fragments. Elsewhere (macOS, musl) there is nothing to call and nothing happens.
+`status_kb` reads this process's memory figures (VmRSS, VmHWM...) for the benchmarks that report them.
 """
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def status_kb(field: str = "VmRSS") -> int:
+    """A /proc/self/status figure in kB (0 where there is none: not Linux, or no such field). For a peak, VmHWM,
+    not ru_maxrss: Linux carries ru_maxrss over fork+exec, so a child would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
