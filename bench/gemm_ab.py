@@ -12,7 +12,6 @@ and render: CPU seconds, the compiler cache aside) and whether the outputs are b
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.matvec_ab import SHAPES, random_weight  # noqa: E402
+from bench.matvec_ab import SHAPES, alternate, random_weight  # noqa: E402
 
 SHAPES = {**SHAPES, "head": (3072, 576, "Q8_0")}  # a slice of the head: the GEMM never runs it, prefill wants no logits
 
@@ -35,7 +34,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=16, help="columns of the step (a prefill chunk is 16)")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
-    from tinygrad import Device, Tensor, TinyJit
+    from tinygrad import Tensor, TinyJit
     from engine import quant_gemm
     src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant_gemm.py"], text=True)
     old = types.ModuleType("quant_gemm_base")
@@ -47,7 +46,7 @@ def main() -> None:
         rows, cols, tname = SHAPES[name]
         w = random_weight(rows, cols, tname, rng)
         x = Tensor(rng.standard_normal((a.cols, cols)).astype(np.float32)).realize()
-        fns, outs, ts, build = {}, {}, {"old": [], "new": []}, {}
+        fns, outs, build = {}, {}, {}
         for tag, k in kernels.items():
             quant_gemm.gemm_kernel = k  # gemm_t looks it up when its graph is built
             fns[tag] = TinyJit(lambda x: w.matmul_t(x).realize())
@@ -56,13 +55,7 @@ def main() -> None:
             build[tag] = time.process_time() - t0
             for _ in range(2):
                 outs[tag] = fns[tag](x).numpy()
-        for r in range(a.reps):
-            for tag in ("old", "new") if r % 2 else ("new", "old"):
-                t0 = time.perf_counter()
-                fns[tag](x)
-                Device["CPU"].synchronize()
-                ts[tag].append(time.perf_counter() - t0)
-        mo, mn = (statistics.median(ts[k]) * 1e6 for k in ("old", "new"))
+        mo, mn = alternate(fns, x, a.reps)
         print(f"{name} {rows}x{cols} {tname} x {a.cols} columns: old {mo:.0f} us, new {mn:.0f} us, {mo / mn:.2f}x, "
               f"build old {build['old']:.2f} s, new {build['new']:.2f} s, "
               f"bitwise equal {np.array_equal(outs['old'], outs['new'])}")

@@ -43,13 +43,26 @@ def random_weight(rows: int, cols: int, tname: str, rng: np.random.Generator):
     return quant.QuantWeight(Tensor(rest).realize(), Tensor(halfs).realize(), (rows, cols), t)
 
 
+def alternate(fns: dict, x, reps: int) -> tuple[float, float]:
+    """Median microseconds of fns["old"](x) and fns["new"](x), run in alternating order so a noisy box slows both."""
+    from tinygrad import Device
+    ts: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(reps):
+        for tag in ("old", "new") if r % 2 else ("new", "old"):
+            t0 = time.perf_counter()
+            fns[tag](x)
+            Device["CPU"].synchronize()
+            ts[tag].append(time.perf_counter() - t0)
+    return statistics.median(ts["old"]) * 1e6, statistics.median(ts["new"]) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="git revision whose engine/quant.py is the old kernel")
     ap.add_argument("--mats", default="gate_up,down,qkv,head", help=f"of {','.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
-    from tinygrad import Device, Tensor, TinyJit
+    from tinygrad import Tensor, TinyJit
     from engine import quant
     src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant.py"], text=True)
     old = types.ModuleType("quant_base")
@@ -63,19 +76,13 @@ def main() -> None:
         x = Tensor(rng.standard_normal((1, cols)).astype(np.float32)).realize()
         nw = Tensor(rng.standard_normal(cols).astype(np.float32)).realize()
         kw = {} if name == "down" else {"norm": (nw, 1e-5)}
-        fns, outs, ts = {}, {}, {"old": [], "new": []}
+        fns, outs = {}, {}
         for tag, k in kernels.items():
             quant._matvec_kernel = k  # matmul_t looks it up when its graph is built
             fns[tag] = TinyJit(lambda x: w.matmul_t(x, **kw).realize())
             for _ in range(3):
                 outs[tag] = fns[tag](x).numpy()
-        for r in range(a.reps):
-            for tag in ("old", "new") if r % 2 else ("new", "old"):
-                t0 = time.perf_counter()
-                fns[tag](x)
-                Device["CPU"].synchronize()
-                ts[tag].append(time.perf_counter() - t0)
-        mo, mn = (statistics.median(ts[k]) * 1e6 for k in ("old", "new"))
+        mo, mn = alternate(fns, x, a.reps)
         print(f"{name} {rows}x{cols} {tname}: old {mo:.0f} us, new {mn:.0f} us, {mo / mn:.2f}x, "
               f"bitwise equal {np.array_equal(outs['old'], outs['new'])}")
 
