@@ -8,7 +8,8 @@
 #                              (bench/matvec_bench.py), the engine bench on every file
 #   bench/h200_synth.sh two    waits for the build, llama-bench on every file, then engine runs left over
 #                              ($ENGINE2: "file@layout ...", layout = MESH_GPU_MV's value), then per-kernel GPU
-#                              time of one decode step of the files in $PROFILE_FILES (bench/decode_profile.py)
+#                              time of one decode step of the files in $PROFILE_FILES (bench/decode_profile.py),
+#                              then bench/mesh_bench.py (1 and 3 peers) on the files in $MESH2
 #   bench/h200_synth.sh three  one call on a fresh machine after a kernel change: tests on CUDA, the matvec sweep,
 #                              the engine on every file (no llama.cpp: take its figures from a `two`)
 #   bench/h200_synth.sh four   a fresh machine: ncu counters of the gate_up matvec (Q8_0, Q4_0), the GPU kernel
@@ -379,6 +380,12 @@ two)
   llamabench
   for spec in ${ENGINE2:-}; do engine ${spec%%@*} engine2.txt ${spec#*@}; done  # file@layout, layout "" = default
   for f in ${PROFILE_FILES:-}; do profile $f; done
+  for f in ${MESH2:-}; do  # bench/mesh_bench.py lockstep, 1 and 3 peers on the one GPU (carry .snap with .wx)
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip mesh_bench $f: no time"; continue; }; [ "$lim" -gt 240 ] && lim=240
+    echo "== mesh_bench $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/mesh_bench.py --model $M/$f.gguf --peers 1,3 --rounds 2 --tokens 64 2>&1 \
+      | grep -v Warning | tee -a "$OUT/mesh.txt"
+  done
   echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
