@@ -1,25 +1,28 @@
-"""A stage run in the calling process, behind the worker client's API: what a CPU peer uses on its hot path.
+"""A stage run in the calling process, behind the worker client's API: what a peer uses on its hot path.
 
-    async with open_stage_host(device=None) as host:    # a LocalStage on the CPU, else a worker process
+    async with open_stage_host(device=None) as host:    # a LocalStage in this process (or a worker process)
         info = await host.load(path, 10, 20, n_slots=4, max_context=2048)
         out = await host.step_raw(cols, data, kind, dim, sampling)
 
 Why (issue 10): a token crossing a stage that lives in a worker process wakes two more processes (the doorbell in,
 the doorbell out) and runs the step's Python on both sides of the pipe, each part with caches the last compute
-emptied. On 2 shared cores that was ~0.75 ms a stage of the ~2 ms on the token's path. A CPU stage gains nothing
-from the process boundary that the peer's own process does not already give: the worker isolates a device that
-can crash its process or hang in a driver (a GPU, Metal) and carries the device fallbacks; a CPU step is compiled
-C over host memory, and the choice of CPU renderer (`CPU:X86` without clang) and its probe are done here too,
-by the same code (`engine.worker_main.initialize_device`). So `open_stage_host` keeps the worker process for every
-other device and runs a CPU stage in the caller (MESH_STAGE_IN_PEER: "auto", the default; "1" always; "0" never,
-a worker process for the CPU too).
+emptied. On 2 shared cores that was ~0.75 ms a stage of the ~2 ms on the token's path; on the H200 (8B Q4_0, 3
+peers, bench/RESULTS.md "sixth session") the worker's hop cost 0.7 ms a stage: 0.478 of unsharded with workers,
+0.637 with the stage in the peer. So `open_stage_host` runs the stage in the caller on every device
+(MESH_STAGE_IN_PEER: "auto", the default, and "1"; "0": a worker process).
+
+What the worker process gave, and where it went: it isolated a device that can crash its process or hang in a
+driver. With the stage in the peer, such a crash or hang takes the peer down or silences it, and the coordinator
+names the peer that is gone (its heartbeats stop), as for any lost peer. The device's choice, set-up, fallbacks
+and probe run here by the same code as in a worker (`engine.worker_main.initialize_device`). A Peer embedded in a
+process that does other things (tests, benches) keeps the worker by default (PeerConfig.stage_in_peer "0").
 
 A step of a shape this stage has run before (`_shape_key`) is run inline, in the trio thread: the event loop stops for the
-step (10-40 ms of a decode step on SmolLM2), as it would wait for the worker's reply anyway, and no thread or
-process is woken on the way. A step of a shape not seen yet may compile for seconds (a stage loaded without
-warmup), so it runs in a thread: the peer's links keep answering heartbeats meanwhile. Loads run in a thread too.
-A failure inside the Stage (EngineError) is `WorkerCommandError`, as from a worker; the process can crash only
-with the peer, and the coordinator names a peer that is gone.
+step (10-40 ms of a decode step on SmolLM2's CPU, ~1.3 ms of an 8B third on the H200), as it would wait for the
+worker's reply anyway, and no thread or process is woken on the way. A step of a shape not seen yet may compile for
+seconds (a stage loaded without warmup), so it runs in a thread: the peer's links keep answering heartbeats
+meanwhile. Loads run in a thread too. A failure inside the Stage (EngineError) is `WorkerCommandError`, as from a
+worker; the process can crash only with the peer, and the coordinator names a peer that is gone.
 """
 
 from __future__ import annotations
@@ -53,19 +56,14 @@ def _locked(fn, *args):
         return fn(*args)
 
 
-def stage_in_process(device: str | None, env: dict | None = None, default: str = "auto") -> bool:
-    """Whether a peer runs its stage in its own process: MESH_STAGE_IN_PEER (else `default`) "1" always, "0" never,
-    "auto" when the device is the CPU (asked for, or the platform's default without asking tinygrad)."""
+def stage_in_process(device: str | None = None, env: dict | None = None, default: str = "auto") -> bool:
+    """Whether a peer runs its stage in its own process: MESH_STAGE_IN_PEER (else `default`) "0" never (a worker
+    process), "1" and "auto" always, whatever the device (the module's docstring says why)."""
     env = os.environ if env is None else env
     mode = env.get("MESH_STAGE_IN_PEER", default)
-    if mode in ("0", "1"):
-        return mode == "1"
-    if device is None:
-        device = env.get("DEV")
-    if device is None:
-        from engine import platform
-        device = platform.default_device(platform.current(), ask=lambda: "")
-    return (device or "").split(":")[0].upper() in ("CPU", "CLANG")
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"MESH_STAGE_IN_PEER={mode!r}: expected auto, 1 or 0")
+    return mode != "0"
 
 
 class LocalStage(LoadedRange):

@@ -647,7 +647,12 @@ def peer_main(argv: list[str] | None = None) -> None:
                      memory_mb=memory_hint_mb(args.memory_gb, args.device), cache_dir=args.cache_dir, device=args.device,
                      max_context=args.max_context, warmup=args.warmup, retry_for=args.retry_for,
                      discovery_port=args.discovery_port, ice=_ice("mesh-peer", args),
-                     stage_in_peer="auto")      # a process of its own: a CPU stage runs in it (engine.local_stage)
+                     stage_in_peer="auto")      # a process of its own: its stage runs in it (engine.local_stage)
     if model is not None:
         _check_model("mesh-peer", model)
+    from engine.local_stage import stage_in_process
+    try:
+        stage_in_process()  # a bad MESH_STAGE_IN_PEER is said here, not after the peer joined
+    except ValueError as exc:
+        sys.exit(f"mesh-peer: {exc}")
     _run("mesh-peer", Peer(cfg).run)

@@ -78,8 +78,8 @@ class PeerConfig:
     discovery_port: int = 9000         # mesh.discovery.PORT
     retry_for: float | None = None     # give up after the coordinator was unreachable this long; None: never
     ice: object = None                 # signaling.IceConfig; None = no STUN/TURN (host candidates only)
-    # Where a CPU stage runs (engine.local_stage; MESH_STAGE_IN_PEER overrides): "auto" = in this process on the CPU,
-    # as mesh-peer runs; "0" = a worker process, the default for a Peer embedded in a process that does other
+    # Where the stage runs (engine.local_stage; MESH_STAGE_IN_PEER overrides): "auto" = in this process, as mesh-peer
+    # runs it; "0" = a worker process, the default for a Peer embedded in a process that does other
     # things (tests, benches): an inline step stops that process's event loop, and its tinygrad would share the
     # process with the host's own
     stage_in_peer: str = "0"

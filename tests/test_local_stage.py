@@ -16,14 +16,15 @@ from tests.mesh_fixtures import write_tiny_chat_model
 PROMPT = [5, 9, 17, 33, 2, 60]
 
 
-def test_the_cpu_runs_in_the_peer_every_other_device_in_a_worker():
-    assert stage_in_process("CPU", {}) and stage_in_process("CPU:X86", {})
-    assert not stage_in_process("CUDA", {}) and not stage_in_process("METAL", {}) and not stage_in_process("AMD", {})
-    assert stage_in_process(None, {"DEV": "CPU"}) and not stage_in_process(None, {"DEV": "CUDA"})
-    assert not stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "0"})
+def test_every_device_runs_in_the_peer_unless_told_otherwise():
+    for device in ("CPU", "CPU:X86", "CUDA", "METAL", "AMD", None):
+        assert stage_in_process(device, {}) and stage_in_process(device, {"DEV": "CUDA"})
+    assert not stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "0"}) and not stage_in_process("CUDA", {"MESH_STAGE_IN_PEER": "0"})
     assert stage_in_process("CUDA", {"MESH_STAGE_IN_PEER": "1"})
     # a Peer embedded in another process defaults to a worker (PeerConfig.stage_in_peer "0"); mesh-peer says "auto"
     assert not stage_in_process("CPU", {}, default="0") and stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "1"}, "0")
+    with pytest.raises(ValueError, match="MESH_STAGE_IN_PEER='yes'"):
+        stage_in_process("CPU", {"MESH_STAGE_IN_PEER": "yes"})
 
 
 def test_shape_keys_follow_runs_and_logits():
