@@ -31,6 +31,10 @@
 #                              GPU tests on CUDA, bench/matvec_sass.py there too, decode_ab A/B of the word decode
 #                              against MESH_GPU_CVT=byte on the 8B files, the engine bench on them, serve_bench local
 #                              on 1.1b-Q8_0 with MESH_GPU_MV_COLS=1 and the default 4, then llama-bench tg64
+#   bench/h200_synth.sh s6     a fresh machine (sixth session): llama.cpp built in the background, GPU tests and
+#                              bench/word_decode_check.py on CUDA, serve_bench local A/B ($SERVE_AB) on 1.1b-Q8_0
+#   bench/h200_synth.sh s6b    the warm machine after s6: engine_bench --llama-bench (the ratio in one run) on
+#                              $S6_FILES, mesh_bench on $MESH2
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -48,7 +52,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -387,5 +391,48 @@ two)
       | grep -v Warning | tee -a "$OUT/mesh.txt"
   done
   echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s6)  # sixth session, a fresh machine: llama.cpp built in the background (nice 19), the files written, the GPU tests
+  # and bench/word_decode_check.py on CUDA, then serve_bench local 1,16 streams on 1.1b-Q8_0 for each variant of
+  # $SERVE_AB ("name:VAR=VALUE,VAR=VALUE name2:" ...; empty settings = the defaults). Follow with s6b on the warm machine.
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 19 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j8 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in 1.1b-Q8_0 ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 90 python3 bench/word_decode_check.py 2>&1 | grep -v Warning | tee "$OUT/word_decode.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 180 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_gpu.py \
+    tests/test_attention_gpu.py tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -12 | tee "$OUT/pytest_cuda.txt"
+  while [ ! -f $M/.1.1b-Q8_0 ]; do sleep 2; done
+  for spec in ${SERVE_AB:-default:}; do
+    name=${spec%%:*}; sets=${spec#*:}
+    lim=$(( $(left) - 10 )); [ "$lim" -gt 50 ] || { echo "skip serve $name: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench 1.1b-Q8_0 local, $name (${sets:-defaults}; limit ${lim}s)"
+    env ${sets//,/ } DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/1.1b-Q8_0.gguf --streams 1,16 --modes local \
+      2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log 2>/dev/null)"
+  ;;
+s6b)  # the warm machine after s6: engine_bench with llama-bench in the same run (--llama-bench: the ratio printed)
+  # on $S6_FILES, then bench/mesh_bench.py 1 and 3 peers on $MESH2 with the defaults
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 300 ]; do sleep 5; done
+  tail -2 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
+  for f in ${S6_FILES:-8b-Q4_0 8b-Q8_0 1.1b-Q8_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip engine $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== engine_bench $f with llama-bench (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$f.gguf --synthetic-prompt 16 --tokens 64 --ctx 256 \
+      --skip llama,memory,batch,split --llama-bench /tmp/lc/b/bin/llama-bench 2>&1 | grep -v Warning | tee -a "$OUT/engine.txt"
+  done
+  for f in ${MESH2:-}; do
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip mesh_bench $f: no time"; continue; }; [ "$lim" -gt 200 ] && lim=200
+    echo "== mesh_bench $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/mesh_bench.py --model $M/$f.gguf --peers 1,3 --rounds 2 --tokens 64 2>&1 \
+      | grep -v Warning | tee -a "$OUT/mesh.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
