@@ -389,7 +389,10 @@ def write_into(t: Tensor, a: np.ndarray, offset: int = 0) -> None:
     no second full-size host copy (`Tensor(a).realize()` stages the whole array through another buffer)."""
     buf = t.uop.buffer
     alloc = Device[buf.device].allocator
-    mv = memoryview(np.ascontiguousarray(a, _to_np_dtype(t.dtype))).cast("B")
+    a = np.ascontiguousarray(a, _to_np_dtype(t.dtype))
+    if not a.flags.writeable:       # the allocators' copy-in takes writable memory only (a frame's bytes are not)
+        a = a.copy()
+    mv = memoryview(a).cast("B")
     if offset + len(mv) > buf.nbytes:
         raise ValueError(f"write of {len(mv)} bytes at {offset} overruns a {buf.nbytes}-byte buffer")
     dest = buf._buf if offset == 0 and len(mv) == buf.nbytes else alloc._offset(buf._buf, len(mv), offset)

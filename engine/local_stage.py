@@ -244,8 +244,6 @@ def _hidden(cols, data, kind: int, dim: int) -> np.ndarray | None:
         return None
     if kind not in (PayloadKind.ACT_F16, PayloadKind.ACT_F32):
         raise WorkerCommandError("Step", f"activations of kind {kind} (float16 or float32 only)")
-    if isinstance(data, bytes):     # tinygrad's copy-in takes writable memory only (2.3 KB a decode step)
-        data = bytearray(data)
     return np.frombuffer(data, DTYPE_NAME[kind]).reshape(len(cols), dim)
 
 

@@ -42,6 +42,30 @@ def _release_freed_memory() -> None:
         pass
 
 
+class _Raw(NamedTuple):
+    """A replayed CPU shape's host addresses (engine/replay.py): its inputs are written and its output read with
+    plain memory copies. The buffers are host memory at fixed addresses (the replay's command table holds them
+    too) and the replay runs to its end on the calling thread, so no tinygrad call is needed on the way; one
+    device synchronize per step still waits for anything tinygrad itself queued before (a load's or an op's copy).
+    What this saves is Python: the generic copy-in/out path's buffer lookups and four synchronizes a step were
+    ~0.4 ms of a decode step's ~0.6 ms outside the kernels on 2 busy cores, paid once per stage (issue 10)."""
+    dev: object
+    x: int          # address of the step's input rows (float32, `size` x dim)
+    cos: int        # rope inputs' addresses (written unless the layers rope from resident tables)
+    sin: int
+    out: int        # the replay's output buffer
+    out_shape: tuple
+    out_dtype: np.dtype
+    replay: CpuReplay
+
+
+def _raw_for(replay: CpuReplay, inputs) -> _Raw:
+    addr = lambda t: int(t.uop.buffer.ensure_allocated()._buf.va_addr)  # noqa: E731
+    ret = replay.ret
+    return _Raw(Device[inputs[0].device], *(addr(t) for t in inputs), addr(ret), tuple(ret.shape),
+                np.dtype(_to_np_dtype(ret.dtype)), replay)
+
+
 def _copy_out(t: Tensor) -> np.ndarray:
     """A realized device tensor's contents as a new host array, without `.numpy()`'s realize and copy schedule."""
     buf = t.uop.buffer
@@ -57,6 +81,8 @@ def _copy_out(t: Tensor) -> np.ndarray:
 # four chunks of 16 and 2.5-2.8 s as one of 64, while the 64 shape added 13 s to the warmup. 16 bounds a prompt
 # tail's padding to 15 rows. Add a larger size when a step of more rows gets cheaper per row (a GEMM path, a GPU).
 PREFILL_BUCKETS = (16,)
+# Positions whose rope rows a decode step's raw path computes at once (`Stage._rope_row`), then looks up.
+ROPE_BLOCK = 64
 # What a chunk costs beyond its rows, in rows, when choosing a prompt's chunks: a small preference for fewer steps.
 CHUNK_COST = 4
 
@@ -156,6 +182,12 @@ class Stage:
         self._inputs: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # per jit shape: x, cos, sin, written in place
         self._replays: dict[tuple, CpuReplay | None] = {}  # per captured shape: its flat CPU replay, or None
         self._direct: dict[tuple, list] = {}  # per captured shape without a replay: its jit's input buffers
+        # per replayed CPU shape: its buffers' addresses (`_Raw`); MESH_RAW_STEP=0 keeps the generic copies (A/B)
+        self._raw: dict[tuple, _Raw] = {}
+        self._raw_on = os.environ.get("MESH_RAW_STEP", "1") != "0"
+        self._rope_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # one position's cos/sin rows (decode)
+        self._synced = False    # nothing queued on the device since the last synchronize (the raw path's own steps
+                                # queue nothing: host copies and a replay that returns when its kernels are done)
         self._head_calls: dict[tuple, int] = {}  # per shape assembled from templates: the head's number of kernels
         # capture one layer per shape and reuse its kernels (engine/shared_layers.py); MESH_SHARED_LAYERS=0: whole
         self.share_layers = os.environ.get("MESH_SHARED_LAYERS", "1") != "0"
@@ -438,16 +470,10 @@ class Stage:
         their argmax ids, int32, taken on the device). execute=False (warmup): only compile the shape, when that
         needs no run (None returned)."""
         n_real = len(x_np)
-        positions = np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
         jit_runs = tuple((col, n) for col, n, _, _ in runs)
         if size > n_real:
             x_np = np.concatenate([x_np, np.zeros((size - n_real, self.dim), self.act_dtype)])
-            positions = np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
             jit_runs = ((0, size),)
-        if resident := self._rope_resident:  # the step's cos/sin inputs stay as they are: no layer reads them
-            cos_np = sin_np = np.zeros((len(positions), self.meta.rope_dim // 2), np.float32)
-        else:
-            cos_np, sin_np = rope_inputs(self.meta, positions)
         # the last stage runs its layers for columns without logits too (their KV is needed), through the shape of
         # one logits row: one compiled shape fewer. The CPU replay skips that shape's head kernels (the table's
         # tail: `CpuReplay.headless`), so a prompt's chunks before the last cost no head at all; the jit path (GPUs)
@@ -467,6 +493,15 @@ class Stage:
             var_vals[self._vslot[i].expr], var_vals[self._vpos[i].expr] = int(r[2]), int(r[3])
         if not every_row:
             var_vals.update((f"pick{j}", i) for j, i in enumerate(picks))
+        resident = self._rope_resident
+        if (raw := self._raw.get(shape)) is not None:
+            return self._run_raw(raw, x_np, runs, size, n_real, var_vals, wanted, greedy, resident)
+        self._synced = False
+        positions = self._positions(runs, size, n_real)
+        if resident:  # the step's cos/sin inputs stay as they are: no layer reads them
+            cos_np = sin_np = np.zeros((len(positions), self.meta.rope_dim // 2), np.float32)
+        else:
+            cos_np, sin_np = rope_inputs(self.meta, positions)
 
         def bound() -> list[UOp]:
             binds = [v.bind(int(r[2])) for v, r in zip(self._vslot, runs)] + \
@@ -496,6 +531,8 @@ class Stage:
             result = None
         elif replay is not None:
             result = replay(var_vals)
+            if self._raw_on:        # the next step of this shape takes the raw path
+                self._raw[shape] = _raw_for(replay, inputs)
         elif (bufs := self._direct.get(shape)) is not None:
             result = fn.captured(bufs, var_vals)
         else:
@@ -511,6 +548,55 @@ class Stage:
         if new_shape:
             self._after_new_shape()
         return out
+
+    @staticmethod
+    def _positions(runs, size: int, n_real: int) -> np.ndarray:
+        if size > n_real:   # one run, padded: the pad rows take the positions after it
+            return np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
+        return np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
+
+    def _run_raw(self, raw: _Raw, x_np: np.ndarray, runs, size: int, n_real: int, var_vals: dict, wanted: bool,
+                 greedy: bool, resident: bool) -> np.ndarray:
+        """`_run` of a shape replayed before (`_Raw`): the same inputs written, the same replay, the same output
+        rows, through raw host copies. A decode step's rope rows are computed once per position, by the same call
+        as `_run`'s (one position), so the bits are the same."""
+        if not self._synced:   # what this stage's tinygrad calls queued before (a step through the jit)
+            raw.dev.synchronize()
+            self._synced = True
+        x = np.ascontiguousarray(x_np, np.float32)
+        ctypes.memmove(raw.x, x.ctypes.data, x.nbytes)
+        if not resident:
+            if size == 1:
+                rows = self._rope_rows.get(pos := int(runs[0][3]))
+                if rows is None:
+                    rows = self._rope_row(pos)
+            else:
+                rows = rope_inputs(self.meta, self._positions(runs, size, n_real))
+            for addr, a in zip((raw.cos, raw.sin), rows):
+                a = np.ascontiguousarray(a, np.float32)
+                ctypes.memmove(addr, a.ctypes.data, a.nbytes)
+        self._dirty.update(int(r[2]) for r in runs)
+        if self.last and not wanted:
+            raw.replay.headless(var_vals)
+            return np.zeros(0, np.int32) if greedy else np.zeros((0, self.meta.vocab_size), dtype=np.float32)
+        raw.replay(var_vals)
+        if not self.last:
+            out = np.empty((n_real, *raw.out_shape[1:]), raw.out_dtype)
+        else:
+            out = np.empty(raw.out_shape, raw.out_dtype)
+        ctypes.memmove(out.ctypes.data, raw.out, out.nbytes)
+        return out
+
+    def _rope_row(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """Position `pos`'s cos/sin rows, computed with the ROPE_BLOCK positions around it in one `rope_inputs` call
+        (each a (1, R/2) row). Elementwise float64 math and numpy's cos/sin give a row the same bits in a block as
+        alone (checked for positions 0..8191 on numpy 2.4, x86); a decode step then costs a dict lookup, not
+        ~10 numpy calls on cold caches."""
+        p0 = pos - pos % ROPE_BLOCK
+        cos, sin = rope_inputs(self.meta, np.arange(p0, min(p0 + ROPE_BLOCK, self.max_context), dtype=np.int64))
+        for i in range(len(cos)):
+            self._rope_rows[p0 + i] = (cos[i:i + 1], sin[i:i + 1])
+        return self._rope_rows[pos]
 
     def _replay_for(self, shape, fn, inputs) -> None:
         if shape not in self._replays:

@@ -102,3 +102,29 @@ def test_a_step_runs_alone_while_the_helpers_are_busy(model, monkeypatch):
 def test_uncaptured_jit_is_not_replayable():
     with pytest.raises(NotReplayable):
         CpuReplay(TinyJit(lambda x: x + 1), [Tensor([1.0]).realize()])
+
+
+def test_raw_step_is_bitwise_the_generic_copies(model, monkeypatch):
+    """A replayed shape's later steps write their inputs and read their output with raw host copies (`_Raw`), the
+    rope rows looked up per position (computed ROPE_BLOCK at a time): a split model's hidden states and logits
+    are the bits of the generic path (MESH_RAW_STEP=0), also across a rope block's edge."""
+    def run(raw: bool):
+        monkeypatch.setenv("MESH_RAW_STEP", "1" if raw else "0")
+        first, last = Stage.load(model, 0, 1, n_slots=2, max_context=128), Stage.load(model, 1, 3, n_slots=2,
+                                                                                        max_context=128)
+        outs, tok = [], 5
+        n = stage_mod.ROPE_BLOCK - 4
+        prompt = [Column(i, 0, i == n - 1, (7 * i + 3) % 50) for i in range(n)]
+        h = first.step(prompt)
+        outs.append(last.step_logits(prompt, h).copy())
+        for pos in range(n, n + 8):   # decode steps across a rope block's edge
+            col = [Column(pos, 0, True, tok)]
+            h = first.step(col)
+            outs += [h.copy(), last.step_logits(col, h).copy()]
+            tok = int(np.argmax(outs[-1][-1]))
+        assert bool(first._raw) == raw and bool(last._raw) == raw
+        return outs
+
+    monkeypatch.setenv("MESH_CPU_THREADS", "2")
+    raw, generic = run(True), run(False)
+    assert len(raw) == len(generic) and all(a.tobytes() == b.tobytes() for a, b in zip(raw, generic))
