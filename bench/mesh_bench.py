@@ -187,6 +187,12 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
                 watching.cancel()
                 pipe.peer_pids = [p.pid for p in procs]
                 yield pipe
+            # a peer writes its last stage-time lines when its session ends, then joins the pool again: wait for
+            # that (bounded) before the processes are killed
+            with trio.move_on_after(5):
+                while not all(p.poll() is not None or logs[i].read_text(errors="replace").count("joined coordinator")
+                              > 1 for i, p in enumerate(procs)):
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
         if died:
             raise SystemExit("mesh_bench: a peer died before the fleet formed" + "".join(f"\n  {d}" for d in died))
