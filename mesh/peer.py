@@ -139,6 +139,11 @@ class Peer:
         # MESH_STEP_IN_READER=0 leaves every step to the op loop (for A/B runs: bench/mesh_bench.py --ab)
         self.step_in_reader = os.environ.get("MESH_STEP_IN_READER", "1") != "0"
         self.reader_steps = 0               # steps computed and forwarded from a Link's reader (stage in the peer)
+        # A hop link of a stage in this process waits for its next step in a blocking poll while the peer has
+        # nothing else to do (`Link.hot`): on for mesh-peer (a process of its own), off for a Peer embedded in a
+        # process that does other things; MESH_HOT_WAIT=1/0 forces it either way (A/B: bench/mesh_bench.py --ab)
+        hot = os.environ.get("MESH_HOT_WAIT", "auto")
+        self.hot_wait = hot == "1" or (hot == "auto" and cfg.stage_in_peer == "auto")
         self.reader_held = 0                # steps computed there whose output the op loop had to send
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
@@ -282,9 +287,13 @@ class Peer:
         local = isinstance(self.worker, LocalStage) and self.step_in_reader
         link.take = functools.partial(self._run_step_now if local else self._take_step, link) \
             if local or self.ring_from_reader else None
+        link.hot = local and self.hot_wait
         try:
             await self._op_loop(link, nursery, control)
         finally:
+            if link.hot:
+                log.info("%s link: %d steps computed in its reader, %d reads by the hot wait",
+                         "control" if control else "hop", self.reader_steps, link.hot_reads)
             link.take = None
             self._waiting.discard(link)
             posted = self._posted.pop(link, None)

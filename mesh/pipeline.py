@@ -148,7 +148,13 @@ class ChainPipeline(Pipeline):
         sampling = samplings_for(sampling, cols)
         group = self.next_group()
         hidden = await self._local(cols, sampling)
-        await _send(self.first, proto.BatchStep(group, len(cols) > 16, tuple(cols), hidden, sampling), self.names[0])
+        ev = proto.BatchStep(group, len(cols) > 16, tuple(cols), hidden, sampling)
+        try:   # written at once when nothing stands in the way: no pass of trio's scheduler before the bytes leave
+            sent = self.first.send_nowait(ev)
+        except LinkError as exc:
+            raise SessionError(f"{self.names[0]} is gone: {exc}") from None
+        if not sent:
+            await _send(self.first, ev, self.names[0])
         return group
 
     async def collect(self, group: int) -> tuple[int, ...]:

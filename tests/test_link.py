@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+import mesh.link as link_mod
 import mesh.proto as p
 from mesh.link import AuthFailed, LinkClosed, LinkDead, ProtocolViolation, RemoteError, open_link
 from mesh.proto.codec import HEADER
@@ -394,3 +395,25 @@ async def test_send_nowait_declines_what_it_cannot_write_at_once():
         assert not client.send_nowait(p.Ping(1))           # not flow-controlled: never
         await client.send(p.Ack(p.MsgType.LOAD, 4))
         assert await server.receive() == p.Ack(p.MsgType.LOAD, 4)
+
+
+async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets_are_still_served(monkeypatch):
+    """`Link.hot`: after `take` consumed an event, the reader waits for the next bytes in a blocking poll (while no
+    other task is runnable) instead of trio's loop; frames arrive in order and whole, and another link of the same
+    thread still sends and receives meanwhile (its bytes end the blocking wait, or wait at most HOT_BLOCK)."""
+    monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
+    async with socket_link_pair() as (a, b), socket_link_pair() as (c, d):
+        taken_in, taken_out = trio.open_memory_channel(16)
+        b.take = lambda ev: (taken_in.send_nowait(ev), True)[1]
+        b.hot = True
+        with trio.fail_after(20):
+            for i in range(6):
+                await a.send(p.Ack(p.MsgType.LOAD, i))
+                assert await taken_out.receive() == p.Ack(p.MsgType.LOAD, i)
+                await c.send(p.Ack(p.MsgType.VOCAB, i))         # the other link, while b's reader is hot
+                assert await d.receive() == p.Ack(p.MsgType.VOCAB, i)
+            await a.send(p.ShipChunk(0, bytes(range(256)) * 4096))   # 1 MiB: several reads, joined whole
+            got = await taken_out.receive()
+            assert isinstance(got, p.ShipChunk) and bytes(got.data) == bytes(range(256)) * 4096
+        assert b.hot_reads >= 5          # every event after the first came through the blocking wait
+        b.hot = False
