@@ -265,9 +265,10 @@ async def main() -> None:
     ap.add_argument("--chain", default="p2p")
     ap.add_argument("--rounds", type=int, default=3, help="timed (unsharded, mesh) answer pairs per configuration")
     ap.add_argument("--rtc-middle", action="store_true", help="also run 3 peers with the middle hop on WebRTC")
-    ap.add_argument("--ab", default="", metavar="VAR=VALUE",
+    ap.add_argument("--ab", default="", metavar="VAR=VALUE[,VAR=VALUE]",
                     help="also run each configuration with VAR=VALUE in its peers' environment, in the same lockstep "
-                         "rounds (base, mesh, mesh with VAR): an A/B of one change on a shared machine")
+                         "rounds (base, mesh, mesh with VAR): an A/B of one change on a shared machine; "
+                         "MESH_RAW_STEP=0,MESH_HOT_WAIT=0 runs the peers' hot path as before the sixth session")
     ap.add_argument("--open", action="store_true", help="open fleet (no token): links sealed with keys from the key "
                                                        "exchange alone; the default is a token, as `mesh-coord` makes")
     args = ap.parse_args()
@@ -282,9 +283,8 @@ async def main() -> None:
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))
     variants = [("", {})]
-    if args.ab:
-        var, _, value = args.ab.partition("=")
-        variants.append((f" [{var}={value}]", {var: value}))
+    if args.ab:     # VAR=VALUE, or several: A=1,B=0
+        variants.append((f" [{args.ab}]", dict(kv.partition("=")[::2] for kv in args.ab.split(","))))
     async with open_worker() as w:
         await w.load(model, 0, _depth(model))
         local = LocalPipeline(w)

@@ -51,6 +51,7 @@ HOT_BLOCK = 0.1
 HOT_WINDOW = 0.5
 """A hot link's reader waits for its bytes in blocking waits for this long after `take` last consumed an event."""
 _HOT: set = set()       # links whose reader is in `_hot_receive`: one blocking poll watches all of their sockets
+_PASSED = -math.inf     # CLOCK_MONOTONIC when a hot wait last let every other task run and trio poll every socket
 
 
 class LinkError(Exception):
@@ -387,21 +388,26 @@ class Link:
 
     async def _hot_receive(self) -> bytes | None:
         """The next bytes through a blocking poll of the socket while nothing else of this thread is due (`hot`),
-        or None: not hot now (another task runnable, a deadline due, no step taken for HOT_WINDOW, not a socket),
-        the socket has something else to say (trio's receive reports it), or another hot link's bytes came first
-        (its reader takes them through trio)."""
+        or None: not hot now (another task runnable, no step taken for HOT_WINDOW, not a socket), the socket has
+        something else to say (trio's receive reports it), or another hot link's bytes came first (its reader
+        takes them through trio). Every other task runs, and trio polls every other socket, at least every
+        HOT_BLOCK and before any deadline; in between (a decode stream's steps come every few ms) the reader goes
+        from its step straight back to its poll, so the step's tail is short too."""
+        global _PASSED
         _HOT.add(self)
         try:
             while self.hot and self._failure is None:
-                # every other task runs first, and trio polls every other socket (timeout 0) before this returns; a
-                # task that keeps running (another link's transfer) sends this read back to trio's own wait
-                with trio.move_on_after(HOT_BLOCK) as busy:
-                    await trio.testing.wait_all_tasks_blocked()
-                if busy.cancelled_caught:
-                    return None
                 now = time.perf_counter()
-                block = min(HOT_BLOCK, HOT_WINDOW - (now - self.took),
-                            trio.lowlevel.current_statistics().seconds_to_next_deadline)
+                stats = trio.lowlevel.current_statistics()
+                if stats.tasks_runnable or now - _PASSED >= HOT_BLOCK or stats.seconds_to_next_deadline <= 0:
+                    # a task that keeps running (another link's transfer) sends this read back to trio's own wait
+                    with trio.move_on_after(HOT_BLOCK) as busy:
+                        await trio.testing.wait_all_tasks_blocked()
+                    if busy.cancelled_caught:
+                        return None
+                    now = _PASSED = time.perf_counter()
+                    stats = trio.lowlevel.current_statistics()
+                block = min(_PASSED + HOT_BLOCK - now, HOT_WINDOW - (now - self.took), stats.seconds_to_next_deadline)
                 fds = {fd: link for link in _HOT if link.hot and link._failure is None and now - link.took < HOT_WINDOW
                        and (fd := _socket_fd(link.stream)) is not None and fd >= 0}
                 fd = _socket_fd(self.stream)
