@@ -1,7 +1,7 @@
 """Serving many users at once: the scheduler's aggregate decode speed against one stream, side by side in one run.
 
     .venv/bin/python bench/serve_bench.py [--model PATH] [--streams 1,4,8,16] [--tokens 48] [--modes local,chain]
-                                          [--split 12,12,6] [--sampled]
+                                          [--split 12,12,6] [--sampled] [--rounds 1]
 
 For each mode (`local`: one worker holding every layer; `chain`: a coordinator and 3 peers wired peer to peer on
 loopback, the peers in this process with their stages in worker processes, so their busy time can be read) and each
@@ -15,8 +15,12 @@ all n decode together for at least `--tokens` steps after the last one's prompt 
   from the peers' own step records; the pipeline's bubble is 1 minus that.
 `--split`: the chain's layers per stage (the peers pinned to them; default: the coordinator's memory placement,
 equal layers), the output head on the last. `--sampled`: every stream samples (temperature 0.8, top_p 0.95, its own
-seed) instead of decoding greedily. A lone stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the
-GEMM's order). Tokens are checked: every stream of every row must equal the same prompt run alone in that mode.
+seed) instead of decoding greedily. `--rounds R`: every row R times, in ascending order of streams then
+descending (1, 8, 8, 1, 1, 8, ...), with one summary line per row: the median aggregate and its ratio to the
+one-stream median, and the range of the ratios of the same round's rows (on a shared box the load moves within a
+minute; a single round's ratio can land anywhere from 2.5x to 5x, a median of alternated rounds far less). A lone
+stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the GEMM's
+order). Tokens are checked: every stream of every row must equal the same prompt run alone in that mode.
 """
 from __future__ import annotations
 
@@ -143,6 +147,8 @@ async def main() -> None:
                          "layers); the last stage also holds the output head")
     ap.add_argument("--sampled", action="store_true",
                     help="sample (temperature 0.8, top_p 0.95, a seed per stream) instead of greedy decoding")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="every row this many times, alternating the order; prints medians and the per-round ratios")
     args = ap.parse_args()
     split = [int(x) for x in args.split.split(",")] if args.split else None
     if split and sum(split) != read_model_meta(args.model or default_model_path()).n_layers:
@@ -171,22 +177,35 @@ async def main() -> None:
             need = args.tokens + sum(math.ceil(len(p) / 16) for p in all_ids) + 1
             alone: dict[int, list[int]] = {}
             one = None
-            for n in counts:
-                ids = all_ids[:n]
-                chunks = sum(math.ceil(len(p) / 16) for p in ids)
-                reqs = [Request(p, args.tokens + chunks + 1, sampling(i), frozenset()) for i, p in enumerate(ids)]
-                r = await run_streams(pipe, reqs, n_slots)
-                for i, out in enumerate(r["tokens"]):      # each stream against its prompt alone (this mode)
-                    if i not in alone:
-                        alone[i] = (await run_streams(pipe, [Request(ids[i], need, sampling(i), frozenset())],
-                                                      n_slots))["tokens"][0]
-                same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]))
-                if n == 1:
-                    one = r["agg"]
-                x1 = f"{r['agg'] / one:6.2f}" if one else "     -"
-                print(f"{n:>16d} {r['agg']:9.2f} {x1} {r['per']:10.2f} {pct(r['ttft'], .5):8.2f}s "
-                      f"{pct(r['ttft'], .95):6.2f}s  {busy(stages, r['ta'], r['tb']):<16s} "
-                      f"{'equal alone' if same else 'DIFFERENT'}", flush=True)
+            aggs: dict[int, list[float]] = {n: [] for n in counts}
+            for rnd in range(args.rounds):
+                for n in (counts if rnd % 2 == 0 else counts[::-1]):
+                    ids = all_ids[:n]
+                    chunks = sum(math.ceil(len(p) / 16) for p in ids)
+                    reqs = [Request(p, args.tokens + chunks + 1, sampling(i), frozenset()) for i, p in enumerate(ids)]
+                    r = await run_streams(pipe, reqs, n_slots)
+                    for i, out in enumerate(r["tokens"]):      # each stream against its prompt alone (this mode)
+                        if i not in alone:
+                            alone[i] = (await run_streams(pipe, [Request(ids[i], need, sampling(i), frozenset())],
+                                                          n_slots))["tokens"][0]
+                    same = all(out == alone[i][:len(out)] for i, out in enumerate(r["tokens"]))
+                    aggs[n].append(r["agg"])
+                    if n == 1:
+                        one = r["agg"]
+                    x1 = f"{r['agg'] / one:6.2f}" if one else "     -"
+                    tag = f"{n}" if args.rounds == 1 else f"{n} (round {rnd + 1})"
+                    print(f"{tag:>16s} {r['agg']:9.2f} {x1} {r['per']:10.2f} {pct(r['ttft'], .5):8.2f}s "
+                          f"{pct(r['ttft'], .95):6.2f}s  {busy(stages, r['ta'], r['tb']):<16s} "
+                          f"{'equal alone' if same else 'DIFFERENT'}  load {os.getloadavg()[0]:.1f}", flush=True)
+            if args.rounds > 1 and 1 in aggs:
+                m1 = statistics.median(aggs[1])
+                print(f"medians of {args.rounds} rounds (ratio range: each round's row against that round's one "
+                      f"stream):")
+                for n in counts:
+                    ratios = [a / b for a, b in zip(aggs[n], aggs[1])]
+                    print(f"{n:>16d} {statistics.median(aggs[n]):9.2f} {statistics.median(aggs[n]) / m1:6.2f}  "
+                          f"per-round x1 {min(ratios):.2f}..{max(ratios):.2f} (median {statistics.median(ratios):.2f})",
+                          flush=True)
     print(f"\nload {os.getloadavg()[0]:.2f}", flush=True)
 
 
