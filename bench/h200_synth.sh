@@ -35,6 +35,11 @@
 #                              bench/word_decode_check.py on CUDA, serve_bench local A/B ($SERVE_AB) on 1.1b-Q8_0
 #   bench/h200_synth.sh s6b    the warm machine after s6: engine_bench --llama-bench (the ratio in one run) on
 #                              $S6_FILES, mesh_bench on $MESH2
+#   bench/h200_synth.sh s7     a fresh machine (sixth session, issue 11): the batch matvec (engine/matvec_gpu_wide.py) on
+#                              1.1b-Q8_0 only: GPU tests on CUDA, decode_ab of a 16-column step for each MESH_GPU_MV_WIDE
+#                              of $WIDES (first: the default), serve_bench local 1,16 at $SERVE_NEW (default 16), a
+#                              1-column step, serve_bench at $SERVE_OLD (0: the tiles of 4), then the matvecs alone at 16
+#                              columns (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -52,7 +57,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -377,6 +382,39 @@ s5)  # fifth session: the word decode (Q4_0/Q8_0) and column tiles (batches) of 
       | tee -a "$OUT/llama_bench.txt"; }
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log 2>/dev/null)"
+  ;;
+s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel A/B on one fresh machine, 1.1b-Q8_0
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  ( python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth_$F.txt" 2>&1; touch $M/.$F ) &
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
+    tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
+  while [ ! -f $M/.$F ]; do sleep 2; done
+  # a 16-column decode step per variant (captured in one process, timed in interleaved rounds; "logits vs" the first
+  # variant must read 0: the batch kernel keeps each column's bits); with the 1-column step timed after the first
+  # serve_bench, 16 x t1 / t16 is the step's own bound on serve_bench's x16
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 170 ] && lim=170
+  echo "== decode_ab $F --batch 16 (limit ${lim}s)"
+  DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$F.gguf --greedy --batch 16 --positions 32,256 --rounds 3 \
+    --steps 10 $(for w in ${WIDES:-16 0 16,1 8,2}; do echo "--variant w$w=MESH_GPU_MV_WIDE=$w"; done) 2>&1 | grep -v Warning \
+    | tee -a "$OUT/ab.txt"
+  serve() {  # serve <MESH_GPU_MV_WIDE>
+    local lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve wide $1: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench $F local MESH_GPU_MV_WIDE=$1 (limit ${lim}s)"; uptime
+    MESH_GPU_MV_WIDE=$1 DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  }
+  serve ${SERVE_NEW:-16}
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 50 ] && lim=50
+    echo "== decode_ab $F --batch 1 (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$F.gguf --greedy --positions 32,256 --rounds 2 --steps 20 \
+      --variant base= 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"; }
+  serve ${SERVE_OLD:-0}
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 120 ] && lim=120
+    echo "== matvec_bench 1.1b Q8_0 at 16 columns (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/matvec_bench.py --shape 1.1b --types Q8_0 --n 16 --as-engine --reps 10 \
+      --wide ${MV_WIDES:-0,16,16:1,8:2} 2>&1 | grep -v Warning > "$OUT/matvec.txt"; sed -n '/^summary/,$p' "$OUT/matvec.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 two)
   while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 200 ]; do sleep 5; done

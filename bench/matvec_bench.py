@@ -1,6 +1,7 @@
 """The resident-block matvec (engine/quant.py) alone, per weight shape, type and GPU layout: GB/s of weight bytes.
 
     DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --layouts default,8:256,2:256
+    DEV=CUDA python3 bench/matvec_bench.py --shape 1.1b --types Q8_0 --n 16 --wide 0,16,8 --as-engine
 
 A layout is MESH_GPU_MV's value, written with ':' so the list can use commas (engine/matvec_gpu.py `gpu_layout`):
 "naive" is a thread per row (engine/quant.py); "TW:THREADS" TW threads sharing a block's values, at most THREADS
@@ -9,7 +10,9 @@ threads a block; "default" is whatever the engine does unset. First, with --ceil
 TinyJit, the matvec over enough copies of the weight to exceed 256 MB (so the 60 MB L2 of an H200 holds none of
 them between uses), and divides the replay's wall time by the number of matvecs: launch gaps of a replayed graph
 included, as in a decode step. Random blocks with small f16 scales (bench/synth_gguf.py's generator); the result
-is checked against numpy on the first copy.
+is checked against numpy on the first copy. --n N: a batch of N columns (a batched decode step or a prefill chunk);
+--wide crosses every layout with MESH_GPU_MV_WIDE values (0: the tiles of engine/matvec_gpu.py; "16", "8:2":
+engine/matvec_gpu_wide.py's columns[:words] a thread block).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def main() -> None:
                     "and head, the residual add into o and down (checked against numpy alike)")
     ap.add_argument("--mats", default="", help="comma list of the shape's matrices (default all)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--n", type=int, default=1, help="columns a matvec (a batch)")
+    ap.add_argument("--wide", default="", help="comma list of MESH_GPU_MV_WIDE values, ':' for ','")
     a = ap.parse_args()
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from gguf.quants import dequantize
@@ -77,7 +82,7 @@ def main() -> None:
             rest, halfs = repack(raw, Q[qt], interleave_for(rows))
             ws = [QuantWeight(Tensor(rest, device=dev).contiguous().realize(), Tensor(halfs, device=dev).contiguous().realize(),
                               (rows, cols), Q[qt]) for _ in range(copies)]
-            x_np = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+            x_np = np.random.default_rng(1).standard_normal((a.n, cols)).astype(np.float32)
             x = Tensor(x_np, device=dev).realize()
             xin, kw, add = x_np.astype(np.float64), {}, 0.0
             if a.as_engine and mname in ("qkv", "gate_up", "head"):
@@ -85,13 +90,16 @@ def main() -> None:
                 kw["norm"] = (Tensor(nw, device=dev).realize(), 1e-5)
                 xin = xin / np.sqrt((xin ** 2).mean(-1, keepdims=True) + 1e-5) * nw
             elif a.as_engine:
-                r = np.random.default_rng(3).standard_normal((1, rows)).astype(np.float32)
+                r = np.random.default_rng(3).standard_normal((a.n, rows)).astype(np.float32)
                 kw["residual"] = Tensor(r, device=dev).realize()
                 add = r[:, :min(rows, 4096)]
             want = xin @ dequantize(raw[:min(rows, 4096)], Q[qt]).reshape(-1, cols).T.astype(np.float64) + add
             del raw, rest, halfs
-            for layout in a.layouts.split(","):
+            for layout, wide in [(lay, wd) for lay in a.layouts.split(",") for wd in (a.wide.split(",") if a.wide else [None])]:
                 os.environ["MESH_GPU_MV"] = layout.replace(":", ",")
+                if wide is not None:
+                    os.environ["MESH_GPU_MV_WIDE"] = wide.replace(":", ",")
+                label = layout if wide is None else f"{layout}/w{wide}"
 
                 @TinyJit
                 def step(x: Tensor) -> list[Tensor]:
@@ -111,10 +119,11 @@ def main() -> None:
                         Device[dev].synchronize()
                         times.append((time.perf_counter() - t) / copies)
                     us = statistics.median(times) * 1e6
-                    line = (f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {nbytes / 1e6:8.1f} MB  {layout:7s} {us:9.1f} us "
-                            f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}  ({copies} copies, first calls {compile_s:.1f} s)")
+                    line = (f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {nbytes / 1e6:8.1f} MB  {label:7s} {us:9.1f} us "
+                            + (f"({us / a.n:6.2f} a column) " if a.n > 1 else "")
+                            + f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}  ({copies} copies, first calls {compile_s:.1f} s)")
                 except Exception as e:  # one layout failing must not hide the others
-                    line = f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {layout:7s} FAILED {type(e).__name__}: {str(e)[:200]}"
+                    line = f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {label:7s} FAILED {type(e).__name__}: {str(e)[:200]}"
                 print(line, flush=True)
                 rows_out.append(line)
             del ws

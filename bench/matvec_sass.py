@@ -8,7 +8,8 @@ Needs nvcc (CUDA's compiler, to make a cubin for sm_90) and nvdisasm (the pip pa
 one). The kernel is built on tinygrad's PYTHON device as the engine builds it (QuantWeight.matmul_t), rendered by
 tinygrad's CUDA renderer, compiled by `nvcc -cubin -arch=sm_90` (the device compiles the same source through NVRTC
 to PTX and the driver's ptxas: the same compiler generation, not the same binary). The block loop is the innermost
-backward branch of the SASS; per weight value = its instructions / (values a thread decodes per pass).
+backward branch of the SASS; per weight value and column = its instructions / (values a thread decodes per pass x
+the columns it takes: a batch's tile, MESH_GPU_MV_COLS or MESH_GPU_MV_WIDE).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str) -> tuple[
     x = Tensor(np.zeros((n, cols), np.float32), device="PYTHON").realize()
     kw = {"norm": (Tensor(np.ones(cols, np.float32), device="PYTHON"), 1e-5)} if mode == "norm" else {}
     lin, _ = w.matmul_t(x, **kw).linear_with_vars()
-    ast = next(u for u in lin.toposort() if u.op is Ops.SINK and getattr(u.arg, "name", "").startswith("mv_"))
+    ast = next(u for u in lin.toposort() if u.op is Ops.SINK and getattr(u.arg, "name", "").startswith(("mv_", "mvw_")))
     prg = to_program(ast, CUDARenderer(Target.parse("CUDA:CUDA:sm_90"), use_nvcc=True))
     return ast.arg.name, next(s.arg for s in prg.src if s.op is Ops.SOURCE)
 
@@ -109,12 +110,15 @@ def main() -> None:
             mix, _ = loop_mix(text)
             nb = a.cols // (spec.sub * spec.width)
             tw, p, bu = gpu_layout(nb, spec.width, a.rows)
-            vals = 16 * bu * spec.sub * (spec.width // tw)  # lanes x values a thread decodes per loop pass
+            # lanes (rows a thread: 16, or r<R> in the batch kernel's name) x values a thread decodes per loop pass
+            lanes = int(m.group(1)) if (m := re.search(r"r(\d+)c\d+$", name)) else 16
+            tile = int(m.group(1)) if (m := re.search(r"c(\d+)$", name)) else 1  # columns a thread takes
+            vals = lanes * bu * spec.sub * (spec.width // tw) * tile
             tot = sum(mix.values())
             i = sum(v for k, v in mix.items() if k in INT)
             f = sum(v for k, v in mix.items() if k in FP)
-            print(f"{qt} n={n} {name}: {regs}; loop {tot} instructions for {vals} lane-values x {n} "
-                  f"columns: {tot / vals:.2f} a value ({i / vals:.2f} integer, {f / vals:.2f} float); "
+            print(f"{qt} n={n} {name}: {regs}; loop {tot} instructions for {vals // tile} lane-values x {tile} "
+                  f"columns: {tot / vals:.2f} a value and column ({i / vals:.2f} integer, {f / vals:.2f} float); "
                   + " ".join(f"{k}:{v}" for k, v in mix.most_common()))
             if a.show:
                 print(src)

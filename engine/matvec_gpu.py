@@ -22,7 +22,8 @@ H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
 - A thread block takes up to COLS = 4 columns of a batch together (MESH_GPU_MV_COLS): each decoded quant is
   multiplied into all of them (a batch decoded the weights once a column: 16 streams cost ~16 single steps).
   Each column's operations, and its shared-memory rounds, are those of the column alone: the same bits in any
-  batch. SASS per column and value in a tile of 4: Q4_0 1.98, Q8_0 2.03 (128 / 180 registers).
+  batch. SASS per column and value in a tile of 4: Q4_0 1.98, Q8_0 2.03 (128 / 180 registers). Batches of 5 or
+  more columns go to engine/matvec_gpu_wide.py (4 rows a thread, up to 16 columns: the same sums, the same bits).
 - Sub-blocks that share their scale and offset (Q4_0, Q4_1, Q5_0, Q5_1: the two nibble planes) are summed before
   the one scaling.
 - P blocks of a row side by side (blocks p, p + P, ...): TW * P threads a block; their partial sums meet in shared
@@ -174,6 +175,9 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = halfs.shape
+        from engine.matvec_gpu_wide import use_wide, wide_kernel  # batches: a word of 4 rows a thread, 16 columns
+        if use_wide(x.shape[0], il, il % 4 == 0 and rest.dtype == U32):
+            return wide_kernel(name, ggml_type, spec, fused, out, rest, halfs, x, magic, *extra)
         W = spec.width
         N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
         TW, P, BU = gpu_layout(nb, W, G * il)

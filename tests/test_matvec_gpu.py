@@ -142,7 +142,8 @@ def test_word_decode_gives_the_byte_decodes_bits(qtype, rows, n, mode, monkeypat
 def test_a_column_alone_and_in_a_batch_has_the_same_bits(qtype, n, tile, monkeypatch):
     """The scheduler's contract on GPUs: a column's output does not depend on the columns beside it, also when a
     thread block takes several columns together (MESH_GPU_MV_COLS: one decode for all; a last tile past the
-    batch repeats its last column) or one (the tile of 1, the old kernel)."""
+    batch repeats its last column) or one (the tile of 1, the old kernel). The batch kernel off here (below)."""
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "0")
     monkeypatch.setenv("MESH_GPU_MV_COLS", tile)
     rows, cols = 16, 256
     raw = _any_quants(qtype, rows, cols)
@@ -178,3 +179,58 @@ def test_layers_with_the_gpu_matvec_share_one_capture():
         want = layer(b, want, cos, sin)
     jit, _ = capture_shared(blocks, layer, None, [x, cos, sin], [])
     np.testing.assert_array_equal(jit(x, cos, sin).numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("qtype,rows,cols,n,mode,wide", [
+    ("Q8_0", 16, 256, 3, "norm", "16,1,2"),  # 1 word (4 rows) a thread; S = 64 partials a row: the two rounds
+    ("Q4_0", 16, 256, 5, "residual", "16,2"),  # 2 words (8 rows) a thread: 2 thread blocks a group of 16 rows
+    ("Q4_0", 16, 64, 4, "glu", "16,2,2"),  # S = 16: one sum of S partials a row
+    ("Q8_0", 16, 64, 17, "norm", "16,1"),  # tiles of 9 + 9, the last repeating column 16
+    ("Q8_0", 32, 256, 6, "norm", "8,2"),  # 8 interleaved rows: one thread block a group
+    ("Q8_0", 16, 1024, 9, "norm", "16,2"),  # S = 256: the partials of 4 columns, 4, then 1 in shared memory
+    ("Q5_0", 16, 256, 3, "plain", "16,1,2"), ("Q4_1", 16, 256, 2, "norm", "16,2,2")])  # byte-wise, generic
+def test_the_batch_kernel_gives_each_columns_bits_alone(qtype, rows, cols, n, mode, wide, monkeypatch):
+    """engine/matvec_gpu_wide.py (a word of 4 rows a thread, up to 16 columns a thread block) sums in the one-column
+    kernel's order: every column of a batch has the bits of that column alone (the one-column kernel) and of the
+    tiles of 4 (MESH_GPU_MV_WIDE=0), and the batch is right against float64."""
+    raw = _any_quants(qtype, rows, cols) if qtype in ("Q4_0", "Q8_0") else blocks_of(qtype, rows, cols)
+    x = np.random.default_rng(9).standard_normal((n, cols * (2 if mode == "glu" else 1))).astype(np.float32)
+    res = np.random.default_rng(4).standard_normal((n, rows)).astype(np.float32)
+
+    def run(sel: list[int]) -> np.ndarray:
+        rest, halfs = repack(raw, Q[qtype], interleave_for(rows))
+        w = QuantWeight(Tensor(rest, device=DEV).realize(), Tensor(halfs, device=DEV).realize(), (rows, cols), Q[qtype])
+        args = {"glu": True} if mode == "glu" else {}
+        if mode == "norm":
+            args["norm"] = (Tensor(np.linspace(-1, 1, cols, dtype=np.float32), device=DEV), 1e-5)
+        if mode == "residual":
+            args["residual"] = Tensor(res[sel], device=DEV)
+        return w.matmul_t(Tensor(x[sel], device=DEV), **args).numpy()
+
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", wide)
+    batch = run(list(range(n)))
+    for i in (0, n - 1):
+        np.testing.assert_array_equal(run([i])[0], batch[i])
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "0")
+    np.testing.assert_array_equal(run(list(range(n))), batch)
+    w_np = dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
+    xin = x.astype(np.float64)
+    if mode == "glu":
+        xin = xin[:, :cols] / (1 + np.exp(-xin[:, :cols])) * xin[:, cols:]
+    if mode == "norm":
+        xin = xin / np.sqrt((xin ** 2).mean(-1, keepdims=True) + 1e-5) * np.linspace(-1, 1, cols, dtype=np.float32)
+    want = xin @ w_np.T + (res if mode == "residual" else 0)
+    np.testing.assert_allclose(batch, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_batch_kernel_setting(monkeypatch):
+    from engine.matvec_gpu_wide import use_wide, wide_cols, wide_setting
+    monkeypatch.delenv("MESH_GPU_MV_WIDE", raising=False)
+    assert wide_setting() == (16, 2, 5)  # 16 columns of 8 rows a thread, from 5 columns
+    assert [wide_cols(n) for n in (5, 16, 17, 33)] == [5, 16, 9, 11]  # at most 16 a block, tiles as even as can be
+    assert use_wide(5, 16, True) and not use_wide(4, 16, True)  # up to 4 columns: the one-column kernel's tiles
+    assert not use_wide(16, 4, True) and not use_wide(16, 16, False)  # fewer than 8 rows interleaved, or bytes
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "0")
+    assert not use_wide(16, 16, True)
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "8,2,2")
+    assert wide_cols(16) == 8 and use_wide(2, 8, True) and not use_wide(1, 8, True) and not use_wide(16, 4, True)
