@@ -11,7 +11,7 @@ each round times --steps decode steps of every variant in turn at each context l
 same position (a step may start below a slot's length), so every variant is timed on the same contexts. Prints
 each variant's median step per context length (overall and per round), its tokens/s, and the largest difference
 of its logits to the first variant's at one position (layouts change float sums, so a small difference is
-expected, a large one is a bug). With --batch B a step is B columns, one per slot, all at the same context length
+expected, a large one is a bug; with --greedy the step's token ids instead, from the shape already captured). With --batch B a step is B columns, one per slot, all at the same context length
 (B slots a context length): the batched decode step a serving scheduler runs, and the first column's logits.
 """
 from __future__ import annotations
@@ -104,7 +104,10 @@ def main() -> None:
     for name in variants:  # the same position and token for every variant
         stage._jits, stage._inputs, stage._replays, stage._direct = state[name]
         apply(variants[name], defaults)
-        logits[name] = stage.step_logits(cols(0, positions[0], 5))[:1]
+        # greedy: the step's ids through the shape already captured (a logits shape would be one more capture per
+        # variant); else the first column's logits
+        logits[name] = np.asarray(run(cols(0, positions[0], 5)), np.float64) if a.greedy else \
+            stage.step_logits(cols(0, positions[0], 5))[:1]
     first = next(iter(variants))
     for name in variants:
         diff = float(np.abs(logits[name] - logits[first]).max()) if name != first else 0.0
@@ -114,7 +117,7 @@ def main() -> None:
             m = statistics.median(ts) * 1e3
             per_round = [statistics.median(ts[r * a.steps:(r + 1) * a.steps]) * 1e3 for r in range(a.rounds)]
             cells.append(f"at {p}: {m:7.3f} ms ({B * 1e3 / m:6.1f} tok/s; rounds " + " ".join(f"{x:.3f}" for x in per_round) + ")")
-        print(f"{name:10s} " + "; ".join(cells) + f"; logits vs {first}: max |diff| {diff:.3g}")
+        print(f"{name:10s} " + "; ".join(cells) + f"; {'ids' if a.greedy else 'logits'} vs {first}: max |diff| {diff:.3g}")
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@
 #   bench/h200_synth.sh s6b    the warm machine after s6: engine_bench --llama-bench (the ratio in one run) on
 #                              $S6_FILES, mesh_bench on $MESH2
 #   bench/h200_synth.sh s7     a fresh machine (sixth session, issue 11): the batch matvec (engine/matvec_gpu_wide.py) on
-#                              1.1b-Q8_0 only: GPU tests on CUDA, decode_ab of a 16-column step for each MESH_GPU_MV_WIDE
-#                              of $WIDES (first: the default), serve_bench local 1,16 at $SERVE_NEW (default 16), a
-#                              1-column step, serve_bench at $SERVE_OLD (0: the tiles of 4), then the matvecs alone at 16
-#                              columns (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
+#                              1.1b-Q8_0 only: GPU tests on CUDA, serve_bench local 1,16 with the defaults, decode_ab of
+#                              a 16-column step for each variant of $AB_VARIANTS and of a 1-column step, serve_bench with
+#                              the old kernel (a column a thread block), then the matvecs alone at 16 columns
+#                              (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -383,37 +383,46 @@ s5)  # fifth session: the word decode (Q4_0/Q8_0) and column tiles (batches) of 
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s; build: $(tail -1 /tmp/lc.log 2>/dev/null)"
   ;;
-s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel A/B on one fresh machine, 1.1b-Q8_0
+s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel on one fresh machine, 1.1b-Q8_0 only
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
   ( python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth_$F.txt" 2>&1; touch $M/.$F ) &
-  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_gpu.py \
-    tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 110 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_gpu.py \
+    tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
   while [ ! -f $M/.$F ]; do sleep 2; done
-  # a 16-column decode step per variant (captured in one process, timed in interleaved rounds; "logits vs" the first
-  # variant must read 0: the batch kernel keeps each column's bits); with the 1-column step timed after the first
-  # serve_bench, 16 x t1 / t16 is the step's own bound on serve_bench's x16
-  lim=$(( $(left) - 5 )); [ "$lim" -gt 170 ] && lim=170
-  echo "== decode_ab $F --batch 16 (limit ${lim}s)"
-  DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$F.gguf --greedy --batch 16 --positions 32,256 --rounds 3 \
-    --steps 10 $(for w in ${WIDES:-16 0 16,1 8,2}; do echo "--variant w$w=MESH_GPU_MV_WIDE=$w"; done) 2>&1 | grep -v Warning \
-    | tee -a "$OUT/ab.txt"
-  serve() {  # serve <MESH_GPU_MV_WIDE>
-    local lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve wide $1: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
-    echo "== serve_bench $F local MESH_GPU_MV_WIDE=$1 (limit ${lim}s)"; uptime
-    MESH_GPU_MV_WIDE=$1 DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+  serve() {  # serve <name> <settings, comma separated>: serve_bench local 1,16 (every stream checked against itself alone)
+    local lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve $1: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench $F local, $1 (${2:-defaults}; limit ${lim}s)"; uptime
+    env ${2//,/ } DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
       2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
   }
-  serve ${SERVE_NEW:-16}
+  serve batch-kernel ""
+  # a 16-column decode step per variant, captured in one process and timed in interleaved rounds ("ids vs" the
+  # first must read 0); if that process fails (the lead saw variants
+  # swapped in one process fail on CUDA in s5), one process a variant. With the 1-column step after it, 16 x t1 / t16
+  # is the step's own bound on serve_bench's x16
+  ab() {  # ab <limit> <batch> <variant>...
+    local lim=$1 b=$2; shift 2
+    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$F.gguf --greedy --batch $b --positions 32,256 --rounds 3 \
+      --steps 10 $(for v in "$@"; do echo "--variant $v"; done) 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+    return ${PIPESTATUS[0]}
+  }
+  VARS=${AB_VARIANTS:-"w16,2=MESH_GPU_MV_WIDE=16,2 tiles1=MESH_GPU_MV_WIDE=0;MESH_GPU_MV_COLS=1 tiles4=MESH_GPU_MV_WIDE=0 w8,2=MESH_GPU_MV_WIDE=8,2"}
+  lim=$(( $(left) - 5 )); [ "$lim" -gt 170 ] && lim=170
+  echo "== decode_ab $F --batch 16, one process (limit ${lim}s)"
+  if ! ab $lim 16 $VARS; then
+    for v in $VARS; do
+      lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip decode_ab $v: no time"; continue; }; [ "$lim" -gt 60 ] && lim=60
+      echo "== decode_ab $F --batch 16, $v alone (limit ${lim}s)"; ab $lim 16 "$v"
+    done
+  fi
   lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 50 ] && lim=50
-    echo "== decode_ab $F --batch 1 (limit ${lim}s)"
-    DEV=CUDA timeout $lim python3 bench/decode_ab.py --model $M/$F.gguf --greedy --positions 32,256 --rounds 2 --steps 20 \
-      --variant base= 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"; }
-  serve ${SERVE_OLD:-0}
+    echo "== decode_ab $F --batch 1 (limit ${lim}s)"; ab $lim 1 base=; }
+  serve tiles1 MESH_GPU_MV_WIDE=0,MESH_GPU_MV_COLS=1
   lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 120 ] && lim=120
     echo "== matvec_bench 1.1b Q8_0 at 16 columns (limit ${lim}s)"
     DEV=CUDA timeout $lim python3 bench/matvec_bench.py --shape 1.1b --types Q8_0 --n 16 --as-engine --reps 10 \
-      --wide ${MV_WIDES:-0,16,16:1,8:2} 2>&1 | grep -v Warning > "$OUT/matvec.txt"; sed -n '/^summary/,$p' "$OUT/matvec.txt"; }
+      --wide ${MV_WIDES:-16:2,0,16:1,8:2} 2>&1 | grep -v Warning > "$OUT/matvec.txt"; sed -n '/^summary/,$p' "$OUT/matvec.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 two)
