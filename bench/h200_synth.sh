@@ -38,7 +38,8 @@
 #   bench/h200_synth.sh s7     a fresh machine (sixth session, issue 11): the batch matvec (engine/matvec_gpu_wide.py) on
 #                              1.1b-Q8_0 only: GPU tests on CUDA, serve_bench local 1,16 with the defaults, decode_ab of
 #                              a 16-column step for each variant of $AB_VARIANTS and of a 1-column step, serve_bench with
-#                              the old kernel (a column a thread block), then the matvecs alone at 16 columns
+#                              64 partial sums a row (MESH_GPU_MV=8,64) and with the old kernel (a column a thread
+#                              block), then the matvecs alone at 16 columns
 #                              (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
@@ -390,10 +391,10 @@ s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel on one 
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 110 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_gpu.py \
     tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
   while [ ! -f $M/.$F ]; do sleep 2; done
-  serve() {  # serve <name> <settings, comma separated>: serve_bench local 1,16 (every stream checked against itself alone)
+  serve() {  # serve <name> <settings, ';' between>: serve_bench local 1,16 (every stream checked against itself alone)
     local lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve $1: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
     echo "== serve_bench $F local, $1 (${2:-defaults}; limit ${lim}s)"; uptime
-    env ${2//,/ } DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+    env ${2//;/ } DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
       2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
   }
   serve batch-kernel ""
@@ -407,7 +408,8 @@ s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel on one 
       --steps 10 $(for v in "$@"; do echo "--variant $v"; done) 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
     return ${PIPESTATUS[0]}
   }
-  VARS=${AB_VARIANTS:-"w16,2=MESH_GPU_MV_WIDE=16,2 tiles1=MESH_GPU_MV_WIDE=0;MESH_GPU_MV_COLS=1 tiles4=MESH_GPU_MV_WIDE=0 w8,2=MESH_GPU_MV_WIDE=8,2"}
+  # s64: every matvec (one column too) in the order of 64 partial sums a row (MESH_GPU_MV=8,64) instead of 256
+  VARS=${AB_VARIANTS:-"w16,2=MESH_GPU_MV_WIDE=16,2 tiles1=MESH_GPU_MV_WIDE=0;MESH_GPU_MV_COLS=1 tiles4=MESH_GPU_MV_WIDE=0 w8,2=MESH_GPU_MV_WIDE=8,2 w16,2-s64=MESH_GPU_MV_WIDE=16,2;MESH_GPU_MV=8,64"}
   lim=$(( $(left) - 5 )); [ "$lim" -gt 170 ] && lim=170
   echo "== decode_ab $F --batch 16, one process (limit ${lim}s)"
   if ! ab $lim 16 $VARS; then
@@ -417,8 +419,9 @@ s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel on one 
     done
   fi
   lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 50 ] && lim=50
-    echo "== decode_ab $F --batch 1 (limit ${lim}s)"; ab $lim 1 base=; }
-  serve tiles1 MESH_GPU_MV_WIDE=0,MESH_GPU_MV_COLS=1
+    echo "== decode_ab $F --batch 1 (limit ${lim}s)"; ab $lim 1 base= s64=MESH_GPU_MV=8,64; }
+  serve s64 "MESH_GPU_MV=8,64"
+  serve tiles1 "MESH_GPU_MV_WIDE=0;MESH_GPU_MV_COLS=1"
   lim=$(( $(left) - 5 )); [ "$lim" -gt 30 ] && { [ "$lim" -gt 120 ] && lim=120
     echo "== matvec_bench 1.1b Q8_0 at 16 columns (limit ${lim}s)"
     DEV=CUDA timeout $lim python3 bench/matvec_bench.py --shape 1.1b --types Q8_0 --n 16 --as-engine --reps 10 \
