@@ -41,6 +41,8 @@
 #                              64 partial sums a row (MESH_GPU_MV=8,64) and with the old kernel (a column a thread
 #                              block), then the matvecs alone at 16 columns
 #                              (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
+#   bench/h200_synth.sh s8     a fresh machine: llama.cpp and the 8B files in the background, word_decode_check, then
+#                              s7 in the time left; follow with s6b
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -58,7 +60,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -484,5 +486,18 @@ s6b)  # the warm machine after s6: engine_bench with llama-bench in the same run
       | grep -v Warning | tee -a "$OUT/mesh.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s8)  # sixth session, one fresh machine for everything: llama.cpp built and the 8B files written in the background
+  # (nice 19), bench/word_decode_check.py on CUDA, then the s7 phase (issue 11's batch kernel) in the time left.
+  # Follow with `S6_FILES="8b-Q4_0 8b-Q8_0" MESH2=8b-Q4_0 bash bench/h200_synth.sh s6b` on the warm machine.
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 19 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j8 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in ${PFILES:-8b-Q4_0 8b-Q8_0}; do
+    ( nice -n 19 python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 90 python3 bench/word_decode_check.py 2>&1 | grep -v Warning | tee "$OUT/word_decode.txt"
+  BUDGET=$(left) OUT=$OUT bash "$0" s7
   ;;
 esac
