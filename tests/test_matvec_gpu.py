@@ -234,3 +234,17 @@ def test_batch_kernel_setting(monkeypatch):
     assert not use_wide(16, 16, True)
     monkeypatch.setenv("MESH_GPU_MV_WIDE", "8,2,2")
     assert wide_cols(16) == 8 and use_wide(2, 8, True) and not use_wide(1, 8, True) and not use_wide(16, 4, True)
+
+
+@pytest.mark.parametrize("layout", ["4,256,2", "8,64"])
+def test_the_batch_kernel_follows_the_layout(layout, monkeypatch):
+    """Another order of sums (MESH_GPU_MV: 2 blocks a loop step; 64 partial sums a row instead of 256): the batch
+    kernel takes the same, so a column's bits stay those of the column alone and of the tiles."""
+    monkeypatch.setenv("MESH_GPU_MV", layout)
+    raw = _any_quants("Q4_0", 16, 512)
+    x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "16,2,2")
+    batch = _run(raw, "Q4_0", 16, 512, x, "norm")
+    np.testing.assert_array_equal(_run(raw, "Q4_0", 16, 512, x[2:], "norm")[0], batch[2])
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "0")
+    np.testing.assert_array_equal(_run(raw, "Q4_0", 16, 512, x, "norm"), batch)
