@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 import struct
 import subprocess
@@ -321,3 +322,66 @@ def test_proto_never_imports_trio():
     code = "import sys, mesh.proto; print(sorted(m for m in ('trio', 'socket', 'asyncio') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _generic_batch_step(payload):
+    """BatchStep decoded by the table's walk alone (what `decode_payload` did before its fast path)."""
+    from mesh.proto import events, wire
+    cls, layout = events._CODECS[p.MsgType.BATCH_STEP]
+    r = wire.Reader(memoryview(payload), cls.__name__)
+    try:
+        values = [codec.get(r, name) for name, codec in layout]
+        r.finish()
+        return cls(*values)
+    except (ValueError, TypeError) as exc:
+        raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{cls.__name__}: {exc}") from None
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except p.ProtocolError as exc:
+        return ("error", exc.code)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group=st.integers(0, 2**32 - 1), wide=st.booleans(),
+       cols=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.booleans(),
+                               st.integers(0, 2**32 - 1)), max_size=4),
+       hidden=st.none() | st.tuples(st.sampled_from(["f32", "f16", "bf16"]), st.lists(st.integers(0, 3), max_size=3)),
+       temps=st.lists(st.floats(0, 4), min_size=1, max_size=3), cut=st.integers(0, 200),
+       flip=st.tuples(st.integers(0, 300), st.integers(1, 255)))
+def test_batch_step_fast_path_gives_the_tables_bytes_events_and_errors(group, wide, cols, hidden, temps, cut, flip):
+    """BatchStep's own encoder and decoder (mesh.proto.events, the hot path's frames) write the bytes the field
+    table writes, and read every payload, cut short or with a byte changed, to the table's event or error."""
+    from mesh.proto import events
+    columns = tuple(p.Column(*c) for c in cols)
+    act = None if hidden is None else p.Activation(hidden[0], tuple(hidden[1]),
+                                                   bytes((4 if hidden[0] == "f32" else 2) * math.prod(hidden[1])))
+    picks = sum(c.needs_logits for c in columns)
+    samplings = tuple(p.SamplingParams(t, 3, 0.5, 9) for t in temps[:max(picks, 1)]) if picks != 1 else \
+        (p.SamplingParams(temps[0]),)
+    try:
+        ev = p.BatchStep(group, wide, columns, act, samplings)
+    except ValueError:
+        return
+    fast = b"".join(events._encode_batch_step(ev))
+    table = []
+    for name, codec in events._CODECS[p.MsgType.BATCH_STEP][1]:
+        codec.put(table, getattr(ev, name))
+    assert fast == b"".join(table)
+    assert events._decode_batch_step(memoryview(fast)) == ev        # the fast path itself, not the fallback
+    assert events.decode_payload(p.MsgType.BATCH_STEP, memoryview(fast)) == ev
+    for payload in (fast[:cut], fast[:flip[0]] + bytes([fast[flip[0]] ^ flip[1]]) + fast[flip[0] + 1:]
+                    if flip[0] < len(fast) else fast + b"\0"):
+        assert _outcome(events.decode_payload, p.MsgType.BATCH_STEP, memoryview(payload)) == \
+            _outcome(_generic_batch_step, payload)
+
+
+def test_batch_step_fast_encoder_leaves_bad_values_to_the_table():
+    from mesh.proto import events
+    for bad in (p.BatchStep(True, False, ()), p.BatchStep(2**32, False, ()),
+                p.BatchStep(1, False, (p.Column(-1, 0),))):
+        assert events._encode_batch_step(bad) is None
+        with pytest.raises(ValueError, match="BatchStep"):
+            events.encode_payload(bad)
