@@ -388,18 +388,27 @@ class Link:
 
     async def _hot_receive(self) -> bytes | None:
         """The next bytes through a blocking poll of the socket while nothing else of this thread is due (`hot`),
-        or None: not hot now (another task runnable, no step taken for HOT_WINDOW, not a socket), the socket has
-        something else to say (trio's receive reports it), or another hot link's bytes came first (its reader
-        takes them through trio). Every other task runs, and trio polls every other socket, at least every
-        HOT_BLOCK and before any deadline; in between (a decode stream's steps come every few ms) the reader goes
-        from its step straight back to its poll, so the step's tail is short too."""
+        or None: not hot now (no step taken for HOT_WINDOW, a task that keeps running, not a socket) or the socket
+        has something else to say (trio's receive reports it). Whenever a task is runnable, a deadline is due or
+        something else is ready (another socket trio waits on, trio's wake-up socket, another hot link's bytes),
+        every other task runs and trio's loop polls every socket first, then the wait goes on. The poll watches
+        every socket trio's loop waits on (`_trio_waits`), so nothing waits behind it; where that cannot be read
+        (trio on kqueue or IOCP, another trio version), only the hot links' sockets, and the loop polls every
+        socket at least every HOT_BLOCK."""
         global _PASSED
         _HOT.add(self)
+        others_ready = False
         try:
             while self.hot and self._failure is None:
                 now = time.perf_counter()
+                fd = _socket_fd(self.stream)
+                if now - self.took >= HOT_WINDOW or fd is None or fd < 0:
+                    return None
                 stats = trio.lowlevel.current_statistics()
-                if stats.tasks_runnable or now - _PASSED >= HOT_BLOCK or stats.seconds_to_next_deadline <= 0:
+                waits = _trio_waits()
+                if others_ready or stats.tasks_runnable or stats.seconds_to_next_deadline <= 0 or \
+                        (waits is None and now - _PASSED >= HOT_BLOCK):
+                    others_ready = False
                     # a task that keeps running (another link's transfer) sends this read back to trio's own wait
                     with trio.move_on_after(HOT_BLOCK) as busy:
                         await trio.testing.wait_all_tasks_blocked()
@@ -407,20 +416,25 @@ class Link:
                         return None
                     now = _PASSED = time.perf_counter()
                     stats = trio.lowlevel.current_statistics()
-                block = min(_PASSED + HOT_BLOCK - now, HOT_WINDOW - (now - self.took), stats.seconds_to_next_deadline)
-                fds = {fd: link for link in _HOT if link.hot and link._failure is None and now - link.took < HOT_WINDOW
-                       and (fd := _socket_fd(link.stream)) is not None and fd >= 0}
-                fd = _socket_fd(self.stream)
-                if block <= 0 or fds.get(fd) is not self:
+                    waits = _trio_waits()
+                block = min(HOT_WINDOW - (now - self.took), stats.seconds_to_next_deadline,
+                            _PASSED + HOT_BLOCK - now if waits is None else HOT_WINDOW)
+                hot = {f for link in _HOT if link.hot and link._failure is None and now - link.took < HOT_WINDOW
+                       and (f := _socket_fd(link.stream)) is not None and f >= 0}
+                if block <= 0 or fd not in hot:
                     return None
                 poller = select.poll()
-                for other in fds:
+                for other, events in waits or ():
+                    if other not in hot:
+                        poller.register(other, events)
+                for other in hot:
                     poller.register(other, select.POLLIN)
                 ready = poller.poll(block * 1e3)
                 if not ready:
                     continue
-                if not any(r == fd for r, _ in ready):
-                    return None
+                if any(r != fd for r, _ in ready):      # trio's loop takes those first, then this wait goes on
+                    others_ready = True
+                    continue
                 try:
                     data = os.read(fd, RECEIVE_SIZE)
                     self.hot_reads += bool(data)
@@ -506,6 +520,28 @@ class Link:
         while not liveness.is_dead(trio.current_time()):
             await trio.sleep_until(liveness.dead_at())
         self._fail(LinkDead(f"nothing received from the peer for {self._dead_after:g}s"))
+
+
+def _trio_waits() -> list[tuple[int, int]] | None:
+    """(fd, poll events) of every socket trio's loop waits on now, its wake-up socket (threads, signals) included;
+    None where trio's loop is not its epoll one (kqueue, IOCP) or looks different (trio's internals: checked
+    against trio 0.35's EpollIOManager; tests/test_link.py fails when they change)."""
+    try:
+        io = trio._core._run.GLOBAL_RUN_CONTEXT.runner.io_manager
+        registered, wake = io._registered, io._force_wakeup_fd
+    except AttributeError:
+        return None
+    waits = [(wake, select.POLLIN)]
+    for fd, w in list(registered.items()):
+        events = (select.POLLIN if w.read_task is not None else 0) | (select.POLLOUT if w.write_task is not None else 0)
+        if events:
+            waits.append((fd, events))
+    return waits
+
+
+def hot_waits_all() -> bool:
+    """Whether a hot wait (`Link.hot`) in this trio run watches every socket the loop waits on (trio's epoll loop)."""
+    return hasattr(select, "poll") and _trio_waits() is not None
 
 
 def _socket_fd(stream) -> int | None:

@@ -3,6 +3,7 @@ virtual time (autojump_clock) where time matters."""
 from __future__ import annotations
 
 import secrets
+import select
 from contextlib import asynccontextmanager
 
 import pytest
@@ -417,3 +418,18 @@ async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets
             assert isinstance(got, p.ShipChunk) and bytes(got.data) == bytes(range(256)) * 4096
         assert b.hot_reads >= 5          # every event after the first came through the blocking wait
         b.hot = False
+
+
+async def test_the_hot_wait_watches_every_socket_trios_loop_waits_on():
+    """`_trio_waits` reads trio's epoll waiters (trio internals: this fails when a trio upgrade changes them, and
+    the hot wait would fall back to watching the hot links alone): a task waiting to read a socket is in it, and
+    so is trio's wake-up socket."""
+    a, b = trio.socket.socketpair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.lowlevel.wait_readable, b)
+        await trio.testing.wait_all_tasks_blocked()
+        waits = link_mod._trio_waits()
+        assert waits is not None and (b.fileno(), select.POLLIN) in waits and len(waits) >= 2
+        nursery.cancel_scope.cancel()
+    a.close()
+    b.close()
