@@ -390,8 +390,8 @@ s7)  # sixth session, issue 11's 16 streams >= 10x one: the batch kernel on one 
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
   ( python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth_$F.txt" 2>&1; touch $M/.$F ) &
-  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 110 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_gpu.py \
-    tests/test_device_greedy.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 130 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_gpu.py \
+    2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
   while [ ! -f $M/.$F ]; do sleep 2; done
   serve() {  # serve <name> <settings, ';' between>: serve_bench local 1,16 (every stream checked against itself alone)
     local lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve $1: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
