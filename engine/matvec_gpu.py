@@ -175,8 +175,11 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         G, nb, _, il = halfs.shape
-        from engine.matvec_gpu_wide import use_wide, wide_kernel  # batches: a word of 4 rows a thread, 16 columns
-        if use_wide(x.shape[0], il, il % 4 == 0 and rest.dtype == U32):
+        from engine.matvec_gpu_wide import use_wide, wide_kernel  # batches: 8 rows a thread, up to 16 columns
+        # K-quants (8 sub-blocks a block): the one-column kernel is ~254 registers already; in a tile of 4 ptxas
+        # spilled 13.6 KB a thread, in the batch kernel 5.4 KB (nvcc 13.0, sm_90): a column a thread block for them
+        heavy = spec.sub > 2
+        if not heavy and use_wide(x.shape[0], il, il % 4 == 0 and rest.dtype == U32):
             return wide_kernel(name, ggml_type, spec, fused, out, rest, halfs, x, magic, *extra)
         W = spec.width
         N, E, C = x.shape[0], spec.sub * W, nb * spec.sub * W
@@ -194,7 +197,7 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         w = UOp.range(il // 4, 3, AxisType.UPCAST) if words and il >= 8 else zero
         e = UOp.range(min(il, 4), 7, AxisType.UPCAST) if il > 1 else zero
         u = w * 4 + e if words and il >= 8 else e
-        NI = gpu_cols(N)  # columns a thread block takes together: each decoded quant used for all of them
+        NI = 1 if heavy else gpu_cols(N)  # columns a thread block takes together: a decoded quant used for all
         no = UOp.range(-(-N // NI), 4)
         cols = [no * NI + i if NI > 1 else no for i in range(NI)]
         # a last tile past N repeats column N - 1 (same operations, so it stores the same bits there)

@@ -29,7 +29,7 @@ Why this shape (bench/matvec_sass.py counts, sm_90; not yet measured on a GPU):
   columns 1.98 / 2.28 against 2.27 / 2.42, 8 columns 1.77 / 2.06 against 2.04 / 2.18).
 `MESH_GPU_MV_WIDE="COLS[,WORDS[,FROM]]"`: columns a thread block (default 16; 0 or 1 turns this kernel off: the
 tiles of engine/matvec_gpu.py), words of 4 rows a thread (default 2), the fewest columns it takes (default 5).
-Batches of one column never come here.
+Batches of one column never come here, nor K-quants (engine/matvec_gpu.py: a column a thread block for them).
 """
 from __future__ import annotations
 

@@ -248,3 +248,15 @@ def test_the_batch_kernel_follows_the_layout(layout, monkeypatch):
     np.testing.assert_array_equal(_run(raw, "Q4_0", 16, 512, x[2:], "norm")[0], batch[2])
     monkeypatch.setenv("MESH_GPU_MV_WIDE", "0")
     np.testing.assert_array_equal(_run(raw, "Q4_0", 16, 512, x, "norm"), batch)
+
+
+@pytest.mark.slow
+def test_k_quant_batches_take_a_column_a_block():  # ~20 s on the PYTHON device
+    """K-quants keep a column a thread block in batches (their one-column kernel is ~254 registers; a tile or the
+    batch kernel spilled): right against float64, and each column's bits those of the column alone."""
+    raw = blocks_of("Q4_K", 16, 256)
+    x = np.random.default_rng(6).standard_normal((5, 256)).astype(np.float32)
+    batch = _run(raw, "Q4_K", 16, 256, x)
+    np.testing.assert_array_equal(_run(raw, "Q4_K", 16, 256, x[4:])[0], batch[4])
+    want = x.astype(np.float64) @ dequantize(raw, Q.Q4_K).reshape(16, 256).astype(np.float64).T
+    np.testing.assert_allclose(batch, want, rtol=0, atol=1e-6 * np.abs(want).max())
