@@ -483,8 +483,8 @@ s6b)  # the warm machine after s6: engine_bench with llama-bench in the same run
   for f in ${MESH2:-}; do
     lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip mesh_bench $f: no time"; continue; }; [ "$lim" -gt 200 ] && lim=200
     echo "== mesh_bench $f (limit ${lim}s)"
-    DEV=CUDA timeout $lim python3 bench/mesh_bench.py --model $M/$f.gguf --peers 1,3 --rounds 2 --tokens 64 2>&1 \
-      | grep -v Warning | tee -a "$OUT/mesh.txt"
+    DEV=CUDA timeout $lim python3 bench/mesh_bench.py --model $M/$f.gguf --peers 1,3 --rounds 2 --tokens 64 \
+      ${MESH_AB:+--ab $MESH_AB} 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
