@@ -19,11 +19,12 @@ H200 needs ~18 bytes a clock per SM, ~7 instructions a byte of Q8_0 at most):
   from a 3-word input, `magic_word`, so ptxas keeps them in registers), its place 2^pos taken out by the FFMA that
   removes 2^23: Q4_0 3.98 instructions a value instead of 5.30, of them integer 1.25 instead of 2.62
   (bench/matvec_sass.py; Hopper issues integer logic at half the float rate). The same floats, bit for bit.
-- A thread block takes up to COLS = 4 columns of a batch together (MESH_GPU_MV_COLS): each decoded quant is
+- A thread block takes up to COLS columns of a batch together (MESH_GPU_MV_COLS; default 1, a column a block: on the
+  H200 the tiles ran slower, see COLS below): each decoded quant is
   multiplied into all of them (a batch decoded the weights once a column: 16 streams cost ~16 single steps).
   Each column's operations, and its shared-memory rounds, are those of the column alone: the same bits in any
-  batch. SASS per column and value in a tile of 4: Q4_0 1.98, Q8_0 2.03 (128 / 180 registers). Batches of 5 or
-  more columns go to engine/matvec_gpu_wide.py (4 rows a thread, up to 16 columns: the same sums, the same bits).
+  batch. SASS per column and value in a tile of 4: Q4_0 1.98, Q8_0 2.03 (128 / 180 registers). With
+  MESH_GPU_MV_WIDE set, batches of 5 or more columns go to engine/matvec_gpu_wide.py (off by default: its docstring).
 - Sub-blocks that share their scale and offset (Q4_0, Q4_1, Q5_0, Q5_1: the two nibble planes) are summed before
   the one scaling.
 - P blocks of a row side by side (blocks p, p + P, ...): TW * P threads a block; their partial sums meet in shared
@@ -136,7 +137,10 @@ def magic_word(device: str) -> Tensor:
     return _MAGIC[device]
 
 
-COLS = 4  # columns a thread block takes together (MESH_GPU_MV_COLS overrides)
+# columns a thread block takes together (MESH_GPU_MV_COLS overrides). 1: on the H200 (1.1B Q8_0, 16 columns) a column
+# a block ran the step in 5.95 ms against 6.22 with tiles of 4 (128-180 registers a thread: 1-2 blocks an SM), and
+# serve_bench's 16 streams 1307 against 1059 tok/s (bench/RESULTS.md, sixth session)
+COLS = 1
 
 
 def gpu_cols(n: int) -> int:

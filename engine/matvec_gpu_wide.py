@@ -27,8 +27,12 @@ Why this shape (bench/matvec_sass.py counts, sm_90; not yet measured on a GPU):
 - From FROM = 5 columns: with fewer, the tiles of the one-column kernel take fewer instructions (Q8_0, 8 rows a
   thread against the tiles, plain / norm: 4 columns 2.15 / 2.45 against 2.03 / 2.18 5
   columns 1.98 / 2.28 against 2.27 / 2.42, 8 columns 1.77 / 2.06 against 2.04 / 2.18).
-`MESH_GPU_MV_WIDE="COLS[,WORDS[,FROM]]"`: columns a thread block (default 16; 0 or 1 turns this kernel off: the
-tiles of engine/matvec_gpu.py), words of 4 rows a thread (default 2), the fewest columns it takes (default 5).
+Off by default (measured on the H200, sixth session, bench/RESULTS.md): a 16-column 1.1B Q8_0 step took 6.12 ms
+with this kernel against 5.95 ms with a column a thread block, and on CUDA one case of its bit test failed (Q4_0,
+residual, 5 columns: a column in the batch 1 ulp from the column alone, where the compiler contracted another
+product into an FMA than in the one-column kernel; the PYTHON device contracts nothing). So it is an A/B kernel
+until a batch kernel is both faster and bit-equal on the device: `MESH_GPU_MV_WIDE="COLS[,WORDS[,FROM]]"` turns it
+on (columns a thread block, e.g. 16; words of 4 rows a thread, default 2; the fewest columns it takes, default 5).
 Batches of one column never come here, nor K-quants (engine/matvec_gpu.py: a column a thread block for them).
 """
 from __future__ import annotations
@@ -43,7 +47,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo
 from engine import matvec_gpu as mv
 
 F32, U32 = dtypes.float32, dtypes.uint32
-WIDE = 16  # columns a thread block takes together
+WIDE = 0  # columns a thread block takes together; 0: off (the module docstring says why), MESH_GPU_MV_WIDE=16 on
 WORDS = 2  # words of 4 rows a thread (see the module docstring: x loads, L2 passes)
 FROM = 5  # the fewest columns this kernel takes (fewer: engine/matvec_gpu.py's tiles)
 SMEM = 8192  # floats of shared memory for the partial sums of a round's columns (32 KB)

@@ -65,7 +65,9 @@ def test_gpu_layout_divides_the_blocks(monkeypatch):
     monkeypatch.delenv("MESH_GPU_MV")
     monkeypatch.setenv("MESH_GPU_MV_SMALL", "8,512")  # only matrices of few rows
     assert gpu_layout(128, 32, 4096) == (8, 64, 1) and gpu_layout(128, 32, 28672) == (8, 32, 1)
-    monkeypatch.delenv("MESH_GPU_MV_COLS", raising=False)  # columns a block: at most 4, tiles as even as can be
+    monkeypatch.delenv("MESH_GPU_MV_COLS", raising=False)  # a column a block unless told
+    assert [gpu_cols(n) for n in (1, 3, 16)] == [1, 1, 1]
+    monkeypatch.setenv("MESH_GPU_MV_COLS", "4")  # at most 4, tiles as even as can be
     assert [gpu_cols(n) for n in (1, 3, 4, 5, 7, 9, 16)] == [1, 3, 4, 3, 4, 3, 4]
 
 
@@ -123,19 +125,29 @@ def _run(raw, qtype, rows, cols, x, mode="plain") -> np.ndarray:
                                                ("Q4_0", 4, 1, "plain"), ("Q8_0", 16, 3, "norm")])
 def test_word_decode_gives_the_byte_decodes_bits(qtype, rows, n, mode, monkeypatch):
     """The word decode (quants masked in place under the exponent word, the place taken out by the FFMA) gives the
-    floats of the byte-wise decode (MESH_GPU_CVT=byte), so the same outputs, bit for bit, for every quant value."""
+    floats of the byte-wise decode (MESH_GPU_CVT=byte) for every quant value: exactly, with one-hot inputs (each
+    output a decoded value times its scale, whatever a compiler contracts). The two kernels' whole outputs are the
+    same bits on the PYTHON device, which contracts nothing; on the H200 a few outputs of Q8_0 were 1 ulp apart
+    (bench/word_decode_check.py: NVRTC fused another product of a sum into an FMA in one kernel than in the other),
+    so there they are compared against float64, as right as the byte decode's."""
     cols = 256
     raw = _any_quants(qtype, rows, cols)
     x = np.random.default_rng(3).standard_normal((n, cols)).astype(np.float32)
+    onehot = np.zeros((8, cols), np.float32)
+    onehot[np.arange(8), np.random.default_rng(1).choice(cols, 8, replace=False)] = 1
     monkeypatch.setenv("MESH_GPU_CVT", "byte")
-    want = _run(raw, qtype, rows, cols, x, mode)
+    want, want1 = _run(raw, qtype, rows, cols, x, mode), _run(raw, qtype, rows, cols, onehot)
     monkeypatch.delenv("MESH_GPU_CVT")
-    got = _run(raw, qtype, rows, cols, x, mode)
-    np.testing.assert_array_equal(got, want)
+    got, got1 = _run(raw, qtype, rows, cols, x, mode), _run(raw, qtype, rows, cols, onehot)
     w_np = dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
+    np.testing.assert_array_equal(got1, want1)
+    np.testing.assert_array_equal(got1, (onehot.astype(np.float64) @ w_np.T).astype(np.float32))
+    if DEV == "PYTHON":
+        np.testing.assert_array_equal(got, want)
     if mode == "plain":  # and right: against float64
         ref = x.astype(np.float64) @ w_np.T
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+        for out in (got, want):
+            np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("qtype,n,tile", [("Q4_0", 5, "4"), ("Q8_0", 3, "2"), ("Q4_0", 2, "1")])
@@ -189,6 +201,9 @@ def test_layers_with_the_gpu_matvec_share_one_capture():
     ("Q8_0", 32, 256, 6, "norm", "8,2"),  # 8 interleaved rows: one thread block a group
     ("Q8_0", 16, 1024, 9, "norm", "16,2"),  # S = 256: the partials of 4 columns, 4, then 1 in shared memory
     ("Q5_0", 16, 256, 3, "plain", "16,1,2"), ("Q4_1", 16, 256, 2, "norm", "16,2,2")])  # byte-wise, generic
+@pytest.mark.xfail(DEV != "PYTHON", strict=False, reason="on the H200 one case (Q4_0 residual 5 columns) was 1 ulp "
+                   "off the column alone: the compiler contracts differently in the two kernels; why the batch "
+                   "kernel is off by default (engine/matvec_gpu_wide.py)")
 def test_the_batch_kernel_gives_each_columns_bits_alone(qtype, rows, cols, n, mode, wide, monkeypatch):
     """engine/matvec_gpu_wide.py (a word of 4 rows a thread, up to 16 columns a thread block) sums in the one-column
     kernel's order: every column of a batch has the bits of that column alone (the one-column kernel) and of the
@@ -226,6 +241,8 @@ def test_the_batch_kernel_gives_each_columns_bits_alone(qtype, rows, cols, n, mo
 def test_batch_kernel_setting(monkeypatch):
     from engine.matvec_gpu_wide import use_wide, wide_cols, wide_setting
     monkeypatch.delenv("MESH_GPU_MV_WIDE", raising=False)
+    assert wide_setting()[0] == 0 and not use_wide(16, 16, True)  # off unless told
+    monkeypatch.setenv("MESH_GPU_MV_WIDE", "16")
     assert wide_setting() == (16, 2, 5)  # 16 columns of 8 rows a thread, from 5 columns
     assert [wide_cols(n) for n in (5, 16, 17, 33)] == [5, 16, 9, 11]  # at most 16 a block, tiles as even as can be
     assert use_wide(5, 16, True) and not use_wide(4, 16, True)  # up to 4 columns: the one-column kernel's tiles
