@@ -78,19 +78,12 @@ def _chain(reports: list[StageReport], ranges) -> tuple[tuple[str, int, int], ..
 
 def model_cost(path: Path, *, n_slots: int, max_context: int) -> ModelCost:
     """The planner's view of the model: MB one layer needs on a peer (its weights as stored, plus an f32 KV cache for
-    the coordinator's slots and context; peers run with the same settings by default), a column's wire bytes, and
-    the output head's work in layers: its values against a layer's matmul values (a step's matmuls cost per value
-    read and multiplied, so this holds at any quantization; SmolLM2: 49152 x 576 against 3.5 M, 8.0 layers, where a
-    one-stream chain's busy fractions put it at 7-8: NOTES Mesh "Scheduler")."""
+    the coordinator's slots and context; peers run with the same settings by default) and a column's wire bytes."""
     from engine.gguf_meta import read_gguf
     meta, gguf = read_model_meta(path), read_gguf(path)
-    blk = [t for n, t in gguf.tensors.items() if n.startswith("blk.")]
-    weights = sum(t.nbytes for t in blk)
+    weights = sum(t.nbytes for n, t in gguf.tensors.items() if n.startswith("blk."))
     kv = 2 * meta.n_kv_heads * meta.head_dim * 4 * n_slots * min(max_context, meta.context_length)
-    layer_values = sum(math.prod(t.shape) for t in blk if len(t.shape) == 2) / max(meta.n_layers, 1)
-    head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")   # tied: the embedding
-    head_layers = math.prod(head.shape) / layer_values if head is not None and layer_values > 0 else 0.0
-    return ModelCost((weights / max(meta.n_layers, 1) + kv) / 2**20, meta.dim * 4, head_layers=head_layers)
+    return ModelCost((weights / max(meta.n_layers, 1) + kv) / 2**20, meta.dim * 4)
 
 
 def _memo_dir(kind: str) -> Path:
@@ -241,7 +234,7 @@ class Fleet:
                 why = f"{', '.join(still)} reported no speed after the probe" if still else None
         cost = model_cost(self.cfg.model, n_slots=self.cfg.n_slots, max_context=self.cfg.max_context)
         if why is not None:
-            ranges = plan_fleet(first, total, reports, head_layers=cost.head_layers)
+            ranges = plan_fleet(first, total, reports)
             predicted = None
             if all(r.speed is not None for r in reports):      # measured all the same: say what memory alone gives
                 reports = [replace(r, link=await self._measure_link(m)) for m, r in zip(members, reports)]
@@ -256,8 +249,7 @@ class Fleet:
         plan = plan_by_speed(first, total, reports, cost)
         ranges = list(plan.ranges)
         try:
-            by_memory = predict(reports, plan_fleet(first, total, reports, head_layers=cost.head_layers),
-                                cost).decode_tok_s
+            by_memory = predict(reports, plan_fleet(first, total, reports), cost).decode_tok_s
         except PlanError:
             by_memory = None
         kept = self._keep_tiling(reports, plan.prediction.decode_ms, cost)

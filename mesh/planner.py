@@ -60,16 +60,12 @@ class LinkSpeed:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    """What the planner needs of the model: memory one layer takes on a peer (weights + KV cache), the bytes of
-    one column's hidden state on the wire, and the output head's work in layers. layer_mb 0 = unknown (memory
-    bounds nothing)."""
+    """What the planner needs of the model: memory one layer takes on a peer (weights + KV cache) and the bytes of
+    one column's hidden state on the wire. layer_mb 0 = unknown (memory bounds nothing)."""
     layer_mb: float
     hidden_bytes: int
     prefill_columns: int = 64      # the coordinator's prefill chunk on the wire
     engine_chunk: int = 16         # the engine's prefill chunk, the shape the prefill figure was measured on
-    head_layers: float = 0.0       # the last stage's output head (vocab x dim) in layers of work (coordinator's
-                                   # model_cost: its weights' values against a layer's); the embedding is a row
-                                   # lookup, no work
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +108,11 @@ class SpeedPlan:
     left_out: tuple[LeftOutNote, ...] = field(default=())
 
 
-def plan_split(first: int, total: int, memory_mb: list[int], *, tail: float = 0.0) -> list[tuple[int, int]]:
+def plan_split(first: int, total: int, memory_mb: list[int]) -> list[tuple[int, int]]:
     """Apportion layers [first, total) over stages in chain order.
 
-    Each stage's work is its layers, plus `tail` layers' worth for the last one (the output head it runs every step
-    when `total` is the model's end: `ModelCost.head_layers`). Work follows reported memory when every stage reports
-    one, equal shares otherwise: the counts minimise the largest work / memory over the stages (one layer at a time
-    to the stage it leaves lowest, ties to the earlier), so proportional shares come out exactly where they are
-    whole, and every stage gets at least one layer.
+    Proportional to reported memory when every stage reports one, equal shares otherwise; largest-remainder
+    rounding (ties to the earlier stage); every stage gets at least one layer.
     """
     n, remaining = len(memory_mb), total - first
     if n == 0:
@@ -127,11 +120,15 @@ def plan_split(first: int, total: int, memory_mb: list[int], *, tail: float = 0.
     if remaining < n:
         raise PlanError(f"{remaining} layers ({first}..{total}) cannot give {n} stages at least one layer each")
     weights = [float(m) for m in memory_mb] if all(m > 0 for m in memory_mb) else [1.0] * n
-    extra = [0.0] * (n - 1) + [max(0.0, tail)]
-    counts = [1] * n
-    for _ in range(remaining - n):
-        k = min(range(n), key=lambda i: ((counts[i] + 1 + extra[i]) / weights[i], i))
-        counts[k] += 1
+    shares = [remaining * w / sum(weights) for w in weights]
+    counts = [int(s) for s in shares]
+    by_remainder = sorted(range(n), key=lambda i: (-(shares[i] - counts[i]), i))
+    for k in range(remaining - sum(counts)):
+        counts[by_remainder[k % n]] += 1
+    while 0 in counts:  # the floor of one layer: take from the fattest stage (earliest on ties)
+        fat = max(range(n), key=lambda i: (counts[i], -i))
+        counts[fat] -= 1
+        counts[counts.index(0)] += 1
     ranges, cursor = [], first
     for c in counts:
         ranges.append((cursor, cursor + c))
@@ -156,14 +153,12 @@ def _gaps(first: int, total: int, stages: list[StageReport]) -> list[tuple[int, 
     return gaps
 
 
-def plan_fleet(first: int, total: int, stages: list[StageReport], *, head_layers: float = 0.0
-               ) -> list[tuple[int, int]]:
+def plan_fleet(first: int, total: int, stages: list[StageReport]) -> list[tuple[int, int]]:
     """One range per stage (same order as `stages`), keeping every pinned range and filling the gaps with the rest.
 
     `first` is the number of layers the coordinator holds itself (0 when headless). Unpinned stages are spread over
-    the gaps that the pinned ranges leave: every gap needs at least one stage, spare stages go where work per
-    stage is highest, and within a gap work follows reported memory. The stage that ends the model also runs the
-    output head, `head_layers` layers' worth of work (`ModelCost.head_layers`; 0 counts layers alone).
+    the gaps that the pinned ranges leave: every gap needs at least one stage, spare stages go where layers per
+    stage is highest, and within a gap layers follow reported memory.
     """
     gaps = _gaps(first, total, stages)
     free = [i for i, s in enumerate(stages) if not s.pinned]
@@ -173,17 +168,16 @@ def plan_fleet(first: int, total: int, stages: list[StageReport], *, head_layers
     if not gaps and free:
         raise PlanError(f"pinned ranges cover every layer; {len(free)} unpinned peers would hold nothing")
     per_gap = [1] * len(gaps)
-    tails = [head_layers if b == total else 0.0 for a, b in gaps]
     for _ in range(len(free) - len(gaps)):
-        best = max(range(len(gaps)), key=lambda g: ((gaps[g][1] - gaps[g][0] + tails[g]) / per_gap[g], -g))
+        best = max(range(len(gaps)), key=lambda g: ((gaps[g][1] - gaps[g][0]) / per_gap[g], -g))
         if gaps[best][1] - gaps[best][0] <= per_gap[best]:
             raise PlanError(f"{len(free)} unpinned peers are more than the {sum(b - a for a, b in gaps)} free layers")
         per_gap[best] += 1
     ranges: dict[int, tuple[int, int]] = {i: (s.start, s.end) for i, s in enumerate(stages) if s.pinned}
     it = iter(free)
-    for (a, b), k, tail in zip(gaps, per_gap, tails):
+    for (a, b), k in zip(gaps, per_gap):
         members = [next(it) for _ in range(k)]
-        for i, r in zip(members, plan_split(a, b, [stages[i].memory_mb for i in members], tail=tail)):
+        for i, r in zip(members, plan_split(a, b, [stages[i].memory_mb for i in members])):
             ranges[i] = r
     return [ranges[i] for i in range(len(stages))]
 
@@ -205,12 +199,10 @@ def _need_speed(s: StageReport) -> StageSpeed:
     return s.speed
 
 
-def stage_ms(s: StageReport, layers: int, cost: ModelCost, last: bool = False) -> float:
-    """One decode token's time in this stage: its layers (and the output head's work when it is the `last`), its
-    fixed cost per step, and its share of the hops."""
+def stage_ms(s: StageReport, layers: int, cost: ModelCost) -> float:
+    """One decode token's time in this stage: its layers, its fixed cost per step, and its share of the hops."""
     sp, ln = _need_speed(s), s.link or LinkSpeed(0.0)
-    work = layers + (cost.head_layers if last else 0.0)
-    return work * sp.decode_ms_per_layer + sp.step_ms + ln.rtt_ms / 2 + ln.transfer_ms(cost.hidden_bytes)
+    return layers * sp.decode_ms_per_layer + sp.step_ms + ln.rtt_ms / 2 + ln.transfer_ms(cost.hidden_bytes)
 
 
 def predict(stages: list[StageReport], ranges, cost: ModelCost) -> Prediction:
@@ -222,7 +214,7 @@ def predict(stages: list[StageReport], ranges, cost: ModelCost) -> Prediction:
         if r is None:
             continue
         n = r[1] - r[0]
-        decode += stage_ms(s, n, cost, r[1] == s.total_layers)
+        decode += stage_ms(s, n, cost)
         ln = s.link or LinkSpeed(0.0)
         chunk = (n * s.speed.prefill_ms_per_layer * cost.prefill_columns / cost.engine_chunk + s.speed.step_ms
                  + ln.rtt_ms / 2 + ln.transfer_ms(cost.hidden_bytes * cost.prefill_columns))
@@ -275,7 +267,7 @@ def _search(first: int, total: int, stages: list[StageReport], cost: ModelCost,
                 break
             ranges.update(filled)
         else:
-            ms = sum(stage_ms(stages[i], r[1] - r[0], cost, r[1] == total) for i, r in ranges.items())
+            ms = sum(stage_ms(stages[i], r[1] - r[0], cost) for i, r in ranges.items())
             if ms < best_ms - 1e-9:
                 best, best_ms = [ranges.get(i) for i in range(len(stages))], ms
     return None if best is None else (best, best_ms)

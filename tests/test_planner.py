@@ -28,29 +28,6 @@ def test_split_gives_every_stage_a_layer():
         plan_split(0, 4, [1] * 5)
 
 
-def test_split_counts_the_output_head_on_the_last_stage():
-    # SmolLM2: the head is 8 layers of work; 30 + 8 over three equal peers is 12.67 each: 13, 13, 4 (+8 = 12)
-    assert plan_split(0, 30, [0, 0, 0], tail=8.0) == [(0, 13), (13, 26), (26, 30)]
-    assert plan_split(0, 30, [0, 0], tail=8.0) == [(0, 19), (19, 30)]
-    # work follows memory: 1:1:2 with the head on the big one, 40 + 8 = 48 -> 12, 12, 24 - 8
-    assert plan_split(0, 40, [1000, 1000, 2000], tail=8.0) == [(0, 12), (12, 24), (24, 40)]
-    # a head heavier than a share still leaves the last stage its one layer
-    assert plan_split(0, 6, [0, 0, 0], tail=50.0) == [(0, 3), (3, 5), (5, 6)]
-    assert plan_split(0, 30, [0, 0, 0], tail=0.0) == plan_split(0, 30, [0, 0, 0])
-
-
-def test_fleet_puts_the_head_on_the_gap_that_ends_the_model():
-    free = [report("a"), report("b"), report("c")]
-    assert plan_fleet(0, 30, free, head_layers=8.0) == [(0, 13), (13, 26), (26, 30)]
-    # the last stage is pinned: the free gap before it does not carry the head
-    stages = [report("a"), report("b"), report("z", 20, 30, pinned=True)]
-    assert plan_fleet(0, 30, stages, head_layers=8.0) == [(0, 10), (10, 20), (20, 30)]
-    # two gaps of 10 (0..10 and 20..30) and three free peers: the spare goes to the gap that runs the head
-    stages = [report("a"), report("b"), report("p", 10, 20, pinned=True), report("c")]
-    assert plan_fleet(0, 30, stages, head_layers=8.0) == [(0, 10), (20, 29), (10, 20), (29, 30)]   # 9 + (1 + 8)
-    assert plan_fleet(0, 30, stages) == [(0, 5), (5, 10), (10, 20), (20, 30)]
-
-
 def test_fleet_keeps_pins_and_fills_gaps():
     stages = [report("a", mem=1000), report("b", 10, 20, pinned=True), report("c", mem=1000)]
     assert plan_fleet(0, 30, stages) == [(0, 10), (10, 20), (20, 30)]
@@ -160,23 +137,3 @@ def test_prediction_sums_decode_and_takes_the_slowest_prefill_chunk():
     chunk_b = 20 * 3.0 * 64 / 16 + 4000 * 64 / 2e3       # b's chunk is the slower one
     assert p.prefill_tok_s == pytest.approx(64 * 1000 / chunk_b)
     assert p.decode_tok_s == pytest.approx(1000 / p.decode_ms)
-
-
-def test_prediction_and_speed_plan_count_the_head_on_the_last_stage():
-    cost = replace(COST, head_layers=6.0)
-    peers = [fast("a", 1.0), fast("b", 2.0)]
-    assert predict(peers, [(0, 10), (10, 30)], cost).decode_ms == pytest.approx(10 * 1.0 + (20 + 6) * 2.0)
-    assert predict(peers, [(20, 30), (0, 20)], cost).decode_ms == pytest.approx((10 + 6) * 1.0 + 20 * 2.0)
-    plan = plan_by_speed(0, 30, [fast("a", mem=3000)], cost)
-    assert plan.prediction.decode_ms == pytest.approx(30 + 6)
-
-
-def test_model_cost_weighs_the_head_by_its_values(tmp_path):
-    from mesh.coordinator import model_cost
-    from tests.tiny_gguf import write_tiny_gguf
-    # a layer: q, o 64 x 64; k, v 32 x 64; gate, up 128 x 64; down 64 x 128 -> 36864 values; the head 256 x 64
-    tied = model_cost(write_tiny_gguf(tmp_path / "t.gguf"), n_slots=1, max_context=64)
-    assert tied.head_layers == pytest.approx(256 * 64 / 36864)
-    untied = model_cost(write_tiny_gguf(tmp_path / "u.gguf", vocab_size=1024, tied_output=False), n_slots=1,
-                        max_context=64)
-    assert untied.head_layers == pytest.approx(1024 * 64 / 36864)
