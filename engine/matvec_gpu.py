@@ -167,6 +167,68 @@ def gpu_layout(nb: int, width: int, rows: int = 0) -> tuple[int, int, int]:
     return tw, max(d for d in range(1, nb // bu + 1) if (nb // bu) % d == 0 and d * tw <= most), bu
 
 
+def reg_sum(slot: int, src: UOp, deps: tuple, n: int, index) -> UOp:
+    """The sum over i < n of src[index(i)], from 0.0 in this order, in a register (placeholder `slot`, its range
+    slot + 1) after `deps`: the partial-sum rounds of both matvec kernels, so their orders are one code."""
+    acc = UOp.placeholder((1,), F32, slot, addrspace=AddrSpace.REG)
+    i = UOp.range(n, slot + 1, AxisType.REDUCE)
+    acc = acc.after(*deps)[0].set(0.0)
+    return acc[0].set(acc.after(i)[0] + src[index(i)], end=i)[0]
+
+
+def thread_sums(blocks, accs: list[UOp], sss: list[UOp] | None, *, bi, BU, P, p, spec, E, W, J, jt, TW, idx, word_q,
+                fast, to_float, e, magic, nx, x, xv, norm_w, u, lanes) -> tuple[list[UOp], list[UOp] | None]:
+    """A thread's sums over its blocks, for every column of its tile: the loop of this module's kernel and of
+    engine/matvec_gpu_wide.py's, one code so that a column's operations, and so its bits, are the same in both.
+    `blocks(b)` gives block b's loaders (word, byte, half); `accs` the columns' accumulators (indexed by lane u),
+    `sss` their sums of squares for a fused norm (None without). Returns both after the loop over `bi`.
+    Per sub-block: J products summed, then the scale (and offset: times the sum of the x read); sub-blocks of one
+    (scale, offset) are summed first. BU blocks a step, written out here: all their loads go first. The quant q
+    does not depend on the column: one decode serves every column (the same operations per column as alone)."""
+    NI, m = len(nx), magic[0]  # MAGIC, read from memory: see the word decode
+    terms, sqs = [None] * NI, [None] * NI
+    for ub in range(BU):
+        b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
+        word, byte, half = blocks(b)
+        bint = lambda k, byte=byte: byte(k).cast(dtypes.int)
+        groups: list[dict[tuple, list]] = [{} for _ in range(NI)]
+        for si in range(spec.sub):
+            base = b * E + si * W
+            dots, xss = [None] * NI, [None] * NI
+            for jv in range(J):
+                jj = jt + jv * TW if TW > 1 else UOp.const(jv, idx)
+                if word_q == "q4_0":
+                    q = _q4_0_word(word(jj), e, si, m)
+                elif word_q == "q8_0":
+                    q = _q8_0_word(word(jj), e, m, magic[1], magic[2])
+                else:
+                    q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
+                for ci, n in enumerate(nx):
+                    if norm_w is not None:
+                        sq = x[n, base + jj] * x[n, base + jj]
+                        sqs[ci] = sq if sqs[ci] is None else sqs[ci] + sq
+                    xj = xv(n, base + jj)
+                    dots[ci] = q * xj if dots[ci] is None else dots[ci] + q * xj
+                    xss[ci] = xj if xss[ci] is None else xss[ci] + xj
+            scale = spec.scale(bint, half, si)
+            offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
+            for ci in range(NI):
+                if (scale, offset) in groups[ci]:
+                    groups[ci][(scale, offset)][0] += dots[ci]
+                    groups[ci][(scale, offset)][1] += xss[ci]
+                else:
+                    groups[ci][(scale, offset)] = [dots[ci], xss[ci]]
+        for ci in range(NI):
+            for (scale, offset), (dot, xs) in groups[ci].items():
+                part = dot * scale if offset is None else dot * scale + xs * offset
+                terms[ci] = part if terms[ci] is None else terms[ci] + part
+    steps = [a[u].store(a.after(bi)[u] + terms[ci]) for ci, a in enumerate(accs)]
+    if sss is not None:  # one loop end for both sums (two ends of one range are two loops)
+        steps += [a[0].store(a.after(bi)[0] + sqs[ci]) for ci, a in enumerate(sss)]
+    step = (UOp.group(*steps) if len(steps) > 1 else steps[0]).end(bi, *lanes)  # the squares have no lanes
+    return [a.after(step) for a in accs], None if sss is None else [a.after(step) for a in sss]
+
+
 def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
     """The kernel for custom_kernel(out (N, rows) f32, rest, halfs, x (N, cols or 2 cols with glu) f32, magic_word(),
     [norm weight], [residual]); `spec` is engine.quant's BlockSpec of the type, `fused` its Fused."""
@@ -218,7 +280,6 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, idx + C]
             return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
 
-        m = magic[0]  # MAGIC, read from memory: see the word decode
         bi = UOp.range(nb // (P * BU), 5, AxisType.REDUCE)
         # per column ci: il accumulators (and the sum of the squares of its x, for a fused norm)
         accs = [UOp.placeholder((il,), F32, 0 if ci == 0 else 200 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
@@ -226,58 +287,16 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
         if norm_w is not None:
             sss = [UOp.placeholder((1,), F32, 1 if ci == 0 else 300 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
             sss = [a.after(*outer)[0].set(0.0) for a in sss]
-        # per sub-block: J products summed, then the scale (and offset: times the sum of the x read); sub-blocks of
-        # one (scale, offset) are summed first. BU blocks a step, written out here: all their loads go first. The
-        # quant q does not depend on the column: one decode serves the NI columns (the same operations per column
-        # as alone, so the same bits)
-        terms, sqs = [None] * NI, [None] * NI
-        for ub in range(BU):
-            b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
+        def blocks(b):  # block b's loaders: its quant words, bytes and f16 scale/offset values
             if words:
-                word = lambda k, b=b: rest[g, b, k, w]
-                byte = lambda k, b=b: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
-            else:
-                byte = lambda k, b=b: rest[g, b, k, u].cast(U32)
-            half = lambda i, b=b: halfs[g, b, i, u].cast(F32)
-            bint = lambda k, byte=byte: byte(k).cast(dtypes.int)
-            groups: list[dict[tuple, list]] = [{} for _ in range(NI)]
-            for si in range(spec.sub):
-                base = b * E + si * W
-                dots, xss = [None] * NI, [None] * NI
-                for jv in range(J):
-                    jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
-                    if words and word_q == "q4_0":
-                        q = _q4_0_word(word(jj), e, si, m)
-                    elif words and word_q == "q8_0":
-                        q = _q8_0_word(word(jj), e, m, magic[1], magic[2])
-                    else:
-                        q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
-                    for ci, n in enumerate(nx):
-                        if norm_w is not None:
-                            sq = x[n, base + jj] * x[n, base + jj]
-                            sqs[ci] = sq if sqs[ci] is None else sqs[ci] + sq
-                        xj = xv(n, base + jj)
-                        dots[ci] = q * xj if dots[ci] is None else dots[ci] + q * xj
-                        xss[ci] = xj if xss[ci] is None else xss[ci] + xj
-                scale = spec.scale(bint, half, si)
-                offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
-                for ci in range(NI):
-                    if (scale, offset) in groups[ci]:
-                        groups[ci][(scale, offset)][0] += dots[ci]
-                        groups[ci][(scale, offset)][1] += xss[ci]
-                    else:
-                        groups[ci][(scale, offset)] = [dots[ci], xss[ci]]
-            for ci in range(NI):
-                for (scale, offset), (dot, xs) in groups[ci].items():
-                    part = dot * scale if offset is None else dot * scale + xs * offset
-                    terms[ci] = part if terms[ci] is None else terms[ci] + part
-        steps = [a[u].store(a.after(bi)[u] + terms[ci]) for ci, a in enumerate(accs)]
-        if norm_w is not None:  # one loop end for both sums (two ends of one range are two loops)
-            steps += [a[0].store(a.after(bi)[0] + sqs[ci]) for ci, a in enumerate(sss)]
-        step = (UOp.group(*steps) if len(steps) > 1 else steps[0]).end(bi, *lanes)  # the squares have no lanes
-        accs = [a.after(step) for a in accs]
-        if norm_w is not None:
-            sss = [a.after(step) for a in sss]
+                byte = lambda k: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
+                return (lambda k: rest[g, b, k, w]), byte, (lambda i: halfs[g, b, i, u].cast(F32))
+            return None, (lambda k: rest[g, b, k, u].cast(U32)), (lambda i: halfs[g, b, i, u].cast(F32))
+
+        accs, sss = thread_sums(blocks, accs, sss if norm_w is not None else None, bi=bi, BU=BU, P=P, p=p, spec=spec,
+                                E=E, W=W, J=J, jt=jt, TW=TW, idx=g.dtype, word_q=word_q if words else None,
+                                fast=fast, to_float=to_float, e=e, magic=magic, nx=nx, x=x, xv=xv, norm_w=norm_w,
+                                u=u, lanes=lanes)
         # the S partial sums of each row (and of the squares) through shared memory, added in two rounds, one column
         # after the other: smem is reused, each column's stores after the last column's round 1 (a barrier)
         smem = UOp.placeholder((S * il,), F32, 100, addrspace=AddrSpace.LOCAL)
@@ -293,33 +312,20 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 # round 2: the first il threads sum the Q of their row. Chains of il + Q adds instead of S
                 Qn = S // il
                 rA, qA = t % il, t // il
-                sa = UOp.placeholder((1,), F32, 70 + 1000 * ci, addrspace=AddrSpace.REG)
-                i1 = UOp.range(il, 71 + 1000 * ci, AxisType.REDUCE)
-                sa = sa.after(*outer, parts)[0].set(0.0)
-                sa = sa[0].set(sa.after(i1)[0] + smem.after(parts)[(qA + i1 * Qn) * il + rA], end=i1)
+                sa = reg_sum(70 + 1000 * ci, smem.after(parts), (*outer, parts), il, lambda i: (qA + i * Qn) * il + rA)
                 smem2 = UOp.placeholder((S,), F32, 102 + 1000 * ci, addrspace=AddrSpace.LOCAL)
-                parts2 = smem2[t].store(sa[0])
+                parts2 = smem2[t].store(sa)
                 if norm_w is not None:
-                    sb = UOp.placeholder((1,), F32, 72 + 1000 * ci, addrspace=AddrSpace.REG)
-                    i2 = UOp.range(il, 73 + 1000 * ci, AxisType.REDUCE)
-                    sb = sb.after(*outer, parts)[0].set(0.0)
-                    sb = sb[0].set(sb.after(i2)[0] + ssm.after(parts)[qA + i2 * Qn], end=i2)
+                    sb = reg_sum(72 + 1000 * ci, ssm.after(parts), (*outer, parts), il, lambda i: qA + i * Qn)
                     ssm2 = UOp.placeholder((S,), F32, 103 + 1000 * ci, addrspace=AddrSpace.LOCAL)
-                    parts2 = UOp.group(parts2, ssm2[t].store(sb[0]))
+                    parts2 = UOp.group(parts2, ssm2[t].store(sb))
                 prev = parts2
                 ok = t < il
                 r = ok.where(t, 0)
-                tot = UOp.placeholder((1,), F32, 60 + 1000 * ci, addrspace=AddrSpace.REG)
-                s2 = UOp.range(Qn, 61 + 1000 * ci, AxisType.REDUCE)
-                tot = tot.after(*outer, parts2)[0].set(0.0)
-                tot = tot[0].set(tot.after(s2)[0] + smem2.after(parts2)[s2 * il + r], end=s2)
-                y, K = tot[0], 1
+                y, K = reg_sum(60 + 1000 * ci, smem2.after(parts2), (*outer, parts2), Qn, lambda i: i * il + r), 1
                 if norm_w is not None:
-                    sq = UOp.placeholder((1,), F32, 62 + 1000 * ci, addrspace=AddrSpace.REG)
-                    s3 = UOp.range(Qn, 63 + 1000 * ci, AxisType.REDUCE)
-                    sq = sq.after(*outer, parts2)[0].set(0.0)
-                    sq = sq[0].set(sq.after(s3)[0] + ssm2.after(parts2)[s3 * il], end=s3)
-                    y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+                    sq = reg_sum(62 + 1000 * ci, ssm2.after(parts2), (*outer, parts2), Qn, lambda i: i * il)
+                    y = y * (sq * (1.0 / C) + fused.norm).sqrt().reciprocal()
                 kk = zero
             else:  # few threads: thread t finishes rows t, t + S, ..., each the sum of its S partials
                 K = -(-il // S)
@@ -328,17 +334,10 @@ def gpu_matvec_kernel(name: str, ggml_type: int, spec, fused):
                 r = kk * S + t if K > 1 else t
                 ok = r < il
                 r = ok.where(r, 0)
-                tot = UOp.placeholder((1,), F32, 60 + 1000 * ci, addrspace=AddrSpace.REG)
-                s2 = UOp.range(S, 61 + 1000 * ci, AxisType.REDUCE)
-                tot = tot.after(*fin, parts)[0].set(0.0)
-                tot = tot[0].set(tot.after(s2)[0] + smem.after(parts)[s2 * il + r], end=s2)
-                y = tot[0]
+                y = reg_sum(60 + 1000 * ci, smem.after(parts), (*fin, parts), S, lambda i: i * il + r)
                 if norm_w is not None:
-                    sq = UOp.placeholder((1,), F32, 62 + 1000 * ci, addrspace=AddrSpace.REG)
-                    s3 = UOp.range(S, 63 + 1000 * ci, AxisType.REDUCE)
-                    sq = sq.after(*fin, parts)[0].set(0.0)
-                    sq = sq[0].set(sq.after(s3)[0] + ssm.after(parts)[s3], end=s3)
-                    y = y * (sq[0] * (1.0 / C) + fused.norm).sqrt().reciprocal()
+                    sq = reg_sum(62 + 1000 * ci, ssm.after(parts), (*fin, parts), S, lambda i: i)
+                    y = y * (sq * (1.0 / C) + fused.norm).sqrt().reciprocal()
                 # the next column's stores wait for these loads: its smem is its own (few threads: small)
                 smem = UOp.placeholder((S * il,), F32, 100 + 1000 * (ci + 1), addrspace=AddrSpace.LOCAL)
             row = g * il + r

@@ -114,59 +114,21 @@ def wide_kernel(name: str, ggml_type: int, spec, fused, out: UOp, rest: UOp, hal
             return gate * (1.0 + (gate * -mv.LOG2E).exp2()).reciprocal() * x[n, idx + C]
         return x[n, idx] * norm_w[idx] if norm_w is not None else x[n, idx]
 
-    # the thread's sums: engine/matvec_gpu.py's loop, expression for expression, with R lanes instead of il
-    m = magic[0]
+    # the thread's sums: engine/matvec_gpu.py's own loop (thread_sums), with R lanes instead of il
     bi = UOp.range(nb // (P * BU), 5, AxisType.REDUCE)
     accs = [UOp.placeholder((R,), F32, 0 if ci == 0 else 200 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
     accs = [a.after(*outer)[u].set(0.0) for a in accs]
     if norm_w is not None:
         sss = [UOp.placeholder((1,), F32, 1 if ci == 0 else 300 + ci, addrspace=AddrSpace.REG) for ci in range(NI)]
         sss = [a.after(*outer)[0].set(0.0) for a in sss]
-    terms, sqs = [None] * NI, [None] * NI
-    for ub in range(BU):
-        b = (bi * BU + ub) * P + p if P > 1 else bi * BU + ub
-        word = lambda k, b=b: rest[g, b, k, w]
-        byte = lambda k, b=b: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
-        half = lambda i, b=b: halfs[g, b, i, w * 4 + e].cast(F32)
-        bint = lambda k, byte=byte: byte(k).cast(dtypes.int)
-        groups: list[dict[tuple, list]] = [{} for _ in range(NI)]
-        for si in range(spec.sub):
-            base = b * E + si * W
-            dots, xss = [None] * NI, [None] * NI
-            for jv in range(J):
-                jj = jt + jv * TW if TW > 1 else UOp.const(jv, g.dtype)
-                if word_q == "q4_0":
-                    q = mv._q4_0_word(word(jj), e, si, m)
-                elif word_q == "q8_0":
-                    q = mv._q8_0_word(word(jj), e, m, magic[1], magic[2])
-                else:
-                    q = fast(byte, si, jj) if fast is not None else to_float(spec.q(bint, si, jj))
-                for ci, n in enumerate(nx):
-                    if norm_w is not None:
-                        sq = x[n, base + jj] * x[n, base + jj]
-                        sqs[ci] = sq if sqs[ci] is None else sqs[ci] + sq
-                    xj = xv(n, base + jj)
-                    dots[ci] = q * xj if dots[ci] is None else dots[ci] + q * xj
-                    xss[ci] = xj if xss[ci] is None else xss[ci] + xj
-            scale = spec.scale(bint, half, si)
-            offset = None if fast is not None or spec.offset is None else spec.offset(bint, half, si)
-            for ci in range(NI):
-                if (scale, offset) in groups[ci]:
-                    groups[ci][(scale, offset)][0] += dots[ci]
-                    groups[ci][(scale, offset)][1] += xss[ci]
-                else:
-                    groups[ci][(scale, offset)] = [dots[ci], xss[ci]]
-        for ci in range(NI):
-            for (scale, offset), (dot, xs) in groups[ci].items():
-                part = dot * scale if offset is None else dot * scale + xs * offset
-                terms[ci] = part if terms[ci] is None else terms[ci] + part
-    steps = [a[u].store(a.after(bi)[u] + terms[ci]) for ci, a in enumerate(accs)]
-    if norm_w is not None:
-        steps += [a[0].store(a.after(bi)[0] + sqs[ci]) for ci, a in enumerate(sss)]
-    step = (UOp.group(*steps) if len(steps) > 1 else steps[0]).end(bi, *lanes)
-    accs = [a.after(step) for a in accs]
-    if norm_w is not None:
-        sss = [a.after(step) for a in sss]
+
+    def blocks(b):  # block b's loaders: its quant words, bytes and f16 scale/offset values
+        byte = lambda k: (rest[g, b, k, w] >> (e * 8).cast(U32)) & 255
+        return (lambda k: rest[g, b, k, w]), byte, (lambda i: halfs[g, b, i, w * 4 + e].cast(F32))
+
+    accs, sss = mv.thread_sums(blocks, accs, sss if norm_w is not None else None, bi=bi, BU=BU, P=P, p=p, spec=spec,
+                               E=E, W=W, J=J, jt=jt, TW=TW, idx=g.dtype, word_q=word_q, fast=fast,
+                               to_float=to_float, e=e, magic=magic, nx=nx, x=x, xv=xv, norm_w=norm_w, u=u, lanes=lanes)
 
     # the rounds, CG columns at a time. Partials: part[(c S + t) R + r] = thread t's sum of row r, column c
     CG = max(1, min(NI, SMEM // (S * R)))
@@ -190,11 +152,8 @@ def wide_kernel(name: str, ggml_type: int, spec, fused, out: UOp, rest: UOp, hal
     def total(src: UOp, deps: tuple, terms_n: int, index) -> UOp:
         """sum over i < terms_n of src[index(i)], from 0.0 in order (the one-column kernel's register sums)."""
         nonlocal aid
-        acc = UOp.placeholder((1,), F32, aid, addrspace=AddrSpace.REG)
-        i = UOp.range(terms_n, aid + 1, AxisType.REDUCE)
         aid += 2
-        acc = acc.after(*deps)[0].set(0.0)
-        return acc[0].set(acc.after(i)[0] + src[index(i)], end=i)[0]
+        return mv.reg_sum(aid - 2, src, deps, terms_n, index)
 
     for c0 in range(0, NI, CG):
         cg = min(CG, NI - c0)
