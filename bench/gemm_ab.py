@@ -12,17 +12,15 @@ and render: CPU seconds, the compiler cache aside) and whether the outputs are b
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.matvec_ab import SHAPES, alternate, random_weight  # noqa: E402
+from bench.matvec_ab import SHAPES, alternate, base_module, random_weight  # noqa: E402
 
 SHAPES = {**SHAPES, "head": (3072, 576, "Q8_0")}  # a slice of the head: the GEMM never runs it, prefill wants no logits
 
@@ -36,10 +34,7 @@ def main() -> None:
     a = ap.parse_args()
     from tinygrad import Tensor, TinyJit
     from engine import quant_gemm
-    src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant_gemm.py"], text=True)
-    old = types.ModuleType("quant_gemm_base")
-    sys.modules["quant_gemm_base"] = old
-    exec(compile(src.replace("from . import", "from engine import"), "quant_gemm_base.py", "exec"), old.__dict__)
+    old = base_module(a.base, "quant_gemm", ("from . import", "from engine import"))
     kernels = {"old": old.gemm_kernel, "new": quant_gemm.gemm_kernel}
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):

@@ -56,6 +56,16 @@ def alternate(fns: dict, x, reps: int) -> tuple[float, float]:
     return statistics.median(ts["old"]) * 1e6, statistics.median(ts["new"]) * 1e6
 
 
+def base_module(rev: str, name: str, absolute: tuple[str, str]) -> types.ModuleType:
+    """engine/<name>.py as it is at git revision `rev`, loaded as the module <name>_base (its relative import
+    absolute[0] written as absolute[1]): the old kernel of an A/B run against the working tree's."""
+    src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{rev}:engine/{name}.py"], text=True)
+    mod = types.ModuleType(f"{name}_base")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up
+    exec(compile(src.replace(*absolute), f"{mod.__name__}.py", "exec"), mod.__dict__)
+    return mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="git revision whose engine/quant.py is the old kernel")
@@ -64,10 +74,7 @@ def main() -> None:
     a = ap.parse_args()
     from tinygrad import Tensor, TinyJit
     from engine import quant
-    src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{a.base}:engine/quant.py"], text=True)
-    old = types.ModuleType("quant_base")
-    sys.modules["quant_base"] = old  # dataclasses look their module up
-    exec(compile(src.replace("from .cpu_runner", "from engine.cpu_runner"), "quant_base.py", "exec"), old.__dict__)
+    old = base_module(a.base, "quant", ("from .cpu_runner", "from engine.cpu_runner"))
     kernels = {"old": old._matvec_kernel, "new": quant._matvec_kernel}
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):
