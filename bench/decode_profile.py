@@ -1,6 +1,6 @@
 """Where a decode step's time goes, on a GPU: the jitted step taken apart, then each kernel's GPU time.
 
-    DEV=CUDA python3 bench/decode_profile.py --model m.gguf [--pos 16] [--kernels]
+    DEV=CUDA python3 bench/decode_profile.py --model m.gguf [--pos 16] [--kernels] [--batch B]
 
 1. The jitted decode step as `Stage.step` runs it (median of --steps), and its parts timed one after another:
    host inputs (embedding row, rope tables, three raw copies in), the jit call until it returns (graph parameter
@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="also each kernel's GPU time, one step without the jit")
     ap.add_argument("--ncu", action="store_true", help="profile only --steps decode steps (cuProfilerStart/Stop)")
     ap.add_argument("--summarize", metavar="CSV", help="sum an ncu CSV of --ncu per kernel kind, then exit")
+    ap.add_argument("--batch", type=int, default=1, help="columns a decode step (a slot each); over 1 only --ncu "
+                    "and --kernels run")
     a = ap.parse_args()
     if a.summarize:
         return summarize(a.summarize, a.steps)
@@ -168,24 +170,38 @@ def main() -> None:
     g = read_gguf(a.model)
     layers = next(int(v) for k, v in g.kv.items() if k.endswith(".block_count"))
     t0 = time.perf_counter()
-    stage = Stage.load(a.model, 0, layers, n_slots=1, max_context=max(256, a.pos + 3 * a.steps + 8))
+    B = a.batch
+    stage = Stage.load(a.model, 0, layers, n_slots=B, max_context=max(256, a.pos + 3 * a.steps + 8))
     print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
     stage.warmup()
-    stage.step([Column(i, 0, i == a.pos - 1, 1 + i) for i in range(a.pos)])
+    for s in range(B):
+        stage.step([Column(i, s, i == a.pos - 1, 1 + i + s) for i in range(a.pos)])
+    def step(p: int) -> None:  # one decode step of B columns, a slot each
+        stage.step([Column(p, s, True, 7 + s) for s in range(B)])
     if a.ncu:
         import ctypes
         cu = ctypes.CDLL("libcuda.so.1")
         for i in range(3):
-            stage.step([Column(a.pos + i, 0, True, 7)])
+            step(a.pos + i)
         Device[Device.DEFAULT].synchronize()
         cu.cuProfilerStart()
         for i in range(a.steps):
-            stage.step([Column(a.pos + 3 + i, 0, True, 7)])
+            step(a.pos + 3 + i)
         Device[Device.DEFAULT].synchronize()
         cu.cuProfilerStop()
         return
-    jit_parts(stage, a.pos, a.steps)
-    if a.kernels:
+    if B == 1:
+        jit_parts(stage, a.pos, a.steps)
+    else:
+        for i in range(3):
+            step(a.pos + i)
+        Device[Device.DEFAULT].synchronize()
+        t = time.perf_counter()
+        for i in range(a.steps):
+            step(a.pos + 3 + i)
+        dt = (time.perf_counter() - t) / a.steps
+        print(f"jitted decode step of {B} columns at position {a.pos + 3}: {dt * 1e3:.3f} ms ({B / dt:.1f} tok/s in all)")
+    if a.kernels and B == 1:
         kernels(stage, stage.slot_length(0))
 
 

@@ -43,6 +43,8 @@
 #                              (matvec_bench --n 16 for each of $MV_WIDES) as time allows; ~8 minutes
 #   bench/h200_synth.sh s8     a fresh machine: llama.cpp and the 8B files in the background, word_decode_check, then
 #                              s7 in the time left; follow with s6b
+#   bench/h200_synth.sh s9     a fresh machine: decode_profile (parts, --kernels, ncu) of the 8B Q4_0 step, and ncu of a
+#                              16-column step of the 1.1B Q8_0 file (issue 11): where the time goes, before a change
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -60,7 +62,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -500,5 +502,37 @@ s8)  # sixth session, one fresh machine for everything: llama.cpp built and the 
   done
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 90 python3 bench/word_decode_check.py 2>&1 | grep -v Warning | tee "$OUT/word_decode.txt"
   BUDGET=$(left) OUT=$OUT bash "$0" s7
+  ;;
+s9)  # seventh session, a fresh machine, where the time goes before a kernel change: bench/decode_profile.py on the
+  # files of $PFILES (the jitted step's parts, --kernels, then ncu's kernel durations of 3 steps per kernel kind), then
+  # ncu of a $BATCH-column step on each file of $BFILES (issue 11: what a batched step spends beside the matvecs)
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  for f in ${PFILES:-8b-Q4_0} ${BFILES:-1.1b-Q8_0}; do
+    [ -f $M/.$f ] || ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  ncu_of() {  # ncu_of <file> <batch>
+    local lim=$(( $(left) - 5 )); [ "$lim" -gt 50 ] || { echo "skip ncu $1 x$2: no time"; return; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== ncu $1 batch $2 (limit ${lim}s)"
+    DEV=CUDA timeout $lim $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      python3 bench/decode_profile.py --model $M/$1.gguf --ncu --steps 3 --batch $2 > "$OUT/ncu_$1_$2.csv" 2>&1
+    python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_$1_$2.csv" --steps 3 2>&1 | head -40 | tee -a "$OUT/profile.txt"
+  }
+  for f in ${PFILES:-8b-Q4_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== profile $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$f.gguf --kernels 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
+    ncu_of $f 1
+  done
+  for f in ${BFILES:-1.1b-Q8_0}; do
+    while [ ! -f $M/.$f ]; do sleep 2; done
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $f: no time"; continue; }; [ "$lim" -gt 100 ] && lim=100
+    echo "== step of ${BATCH:-16} columns, $f (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$f.gguf --batch ${BATCH:-16} 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
+    ncu_of $f ${BATCH:-16}
+    ncu_of $f 1
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
