@@ -67,7 +67,7 @@ def jit_parts(stage, pos: int, steps: int) -> None:
     parts = defaultdict(list)
     for i in range(steps):
         p = pos + i
-        binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(p)]
+        binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(p), stage._vctx.bind(p + 1)]  # as Stage._run binds
         if shape[2] != -1:
             from tinygrad import UOp
             binds.append(UOp.variable("pick0", 0, 0).bind(0))
@@ -88,7 +88,10 @@ def jit_parts(stage, pos: int, steps: int) -> None:
         for k, v in (("inputs", t1 - t0), ("jit call returns", t2 - t1), ("wait for the GPU", t3 - t2),
                      ("logits out", t4 - t3), ("pick", t5 - t4), ("sum", t5 - t0)):
             parts[k].append(v * 1e3)
-    binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(pos)]
+    binds = [stage._vslot[0].bind(0), stage._vpos[0].bind(pos), stage._vctx.bind(pos + 1)]
+    if shape[2] != -1:
+        from tinygrad import UOp
+        binds.append(UOp.variable("pick0", 0, 0).bind(0))
     dev.synchronize()
     t = time.perf_counter()
     for _ in range(steps):

@@ -62,7 +62,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -532,6 +532,39 @@ s9)  # seventh session, a fresh machine, where the time goes before a kernel cha
     DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$f.gguf --batch ${BATCH:-16} 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
     ncu_of $f ${BATCH:-16}
     ncu_of $f 1
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s9b)  # seventh session, a fresh machine after a decode-step change: llama.cpp built in the background (nice 19), the
+  # files of $FILES9 written, the GPU tests on CUDA, ncu of a 1.1B step, the 8B Q4_0 step's parts, the engine alone on
+  # the 8B files, then engine_bench --llama-bench (the ratio in one run) on each of $LB_FILES once the build is done
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  touch /tmp/lc.started; tar xzf .llama/lc.tgz -C /tmp
+  setsid nohup nice -n 19 bash -c 'cd /tmp/lc && cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    && cmake --build b -j8 --target llama-bench; echo $? > /tmp/lc.rc' > /tmp/lc.log 2>&1 < /dev/null &
+  for f in ${FILES9:-1.1b-Q8_0 8b-Q4_0 8b-Q8_0}; do
+    [ -f $M/.$f ] || ( python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f ) &
+  done
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_device_greedy.py \
+    tests/test_attention_gpu.py ${TESTS9:-} 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  while [ ! -f $M/.1.1b-Q8_0 ]; do sleep 2; done
+  echo "== ncu 1.1b-Q8_0 batch 1"
+  DEV=CUDA timeout 120 $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 bench/decode_profile.py --model $M/1.1b-Q8_0.gguf --ncu --steps 3 > "$OUT/ncu_1.1b_1.csv" 2>&1
+  python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_1.1b_1.csv" --steps 3 2>&1 | head -30 | tee -a "$OUT/profile.txt"
+  while [ ! -f $M/.8b-Q4_0 ]; do sleep 2; done
+  echo "== 8b-Q4_0 step parts"
+  DEV=CUDA timeout 120 python3 bench/decode_profile.py --model $M/8b-Q4_0.gguf 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
+  for f in ${ENG9:-8b-Q4_0 8b-Q8_0}; do while [ ! -f $M/.$f ]; do sleep 2; done; engine $f engine.txt; done
+  while [ ! -f /tmp/lc.rc ] && [ "$(left)" -gt 150 ]; do sleep 5; done
+  tail -2 /tmp/lc.log; cat /tmp/lc.rc 2>/dev/null
+  for f in ${LB_FILES:-8b-Q4_0}; do
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 60 ] || { echo "skip engine_bench --llama-bench $f: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== engine_bench $f with llama-bench (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$f.gguf --synthetic-prompt 16 --tokens 64 --ctx 256 \
+      --skip llama,memory,batch,split --llama-bench /tmp/lc/b/bin/llama-bench 2>&1 | grep -v Warning | tee -a "$OUT/engine.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

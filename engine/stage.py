@@ -147,6 +147,31 @@ class WarmupResult(NamedTuple):
 _KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
 
 
+
+def _tree_max(x: Tensor, pad: float, fan: int = 16) -> Tensor:
+    """max over the last axis of (M, L) as a tree of kernels, each reducing `fan` values a thread: every level but
+    the last has > 2048 outputs or few inputs each, so no kernel walks a long row on a few threads."""
+    M = x.shape[0]
+    while x.shape[1] > 2 * fan:
+        L = -(-x.shape[1] // fan) * fan
+        x = x.pad(((0, 0), (0, L - x.shape[1])), value=pad).reshape(M, L // fan, fan).max(axis=2).contiguous()
+    return x.max(axis=1)
+
+
+def greedy_ids(logits: Tensor) -> Tensor:
+    """(M, vocab) logits -> (M,) int32 ids of the first largest logit of each row: np.argmax's answer. On a GPU in
+    reductions spread over its SMs: Tensor.argmax's two reductions (the max, then the first index holding it) each
+    ran as one kernel that tinygrad split into only 256 partials, 2 thread blocks of 32 threads each reading ~2000
+    logits in a row: 63-64 us each on the H200, 10% of a 1.1B decode step, 4% of an 8B one (bench/RESULTS.md,
+    seventh session). Max is exact in any order, so the ids are argmax's. The CPU keeps Tensor.argmax (its two
+    kernels are threaded by the runner; more small kernels would only add calls)."""
+    if str(logits.device).split(":")[0] in ("CPU", "CLANG", "LLVM"):
+        return logits.argmax(axis=1).cast(dtypes.int32)
+    M, V = logits.shape
+    top = _tree_max(logits, float("-inf")).reshape(M, 1)
+    countdown = Tensor.arange(V, 0, -1).to(logits.device).reshape(1, V)  # the first index holds the largest count
+    return (V - _tree_max(logits.eq(top).where(countdown, 0), 0)).cast(dtypes.int32)
+
 class Stage:
     act_dtype = np.dtype(np.float32)
 
@@ -719,7 +744,7 @@ class Stage:
             rows = x[picks[0]:picks[0] + 1] if n_picks == 1 else Tensor.cat(*[x[v:v + 1] for v in picks])
         logits = self._head(rows)  # (M, vocab) float32
         if shape[3:] == ("greedy",):  # the first largest logit's id, as np.argmax: 4 bytes back instead of 4 * vocab
-            return logits.argmax(axis=1).cast(dtypes.int32).contiguous().realize()
+            return greedy_ids(logits).contiguous().realize()
         return logits
 
     def _graph(self, shape, x: Tensor, cos: Tensor, sin: Tensor, *binds: UOp) -> Tensor:

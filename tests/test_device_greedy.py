@@ -29,3 +29,18 @@ def test_device_argmax_picks_what_the_host_picks(tmp_path):
     assert np.array_equal(host[1], dev[1])
     # the default: on the device on GPUs; the CPU keeps the host pick (its logits are in host memory already)
     assert Stage.load(p, 0, 2, n_slots=1, max_context=64).greedy_on_device == (not Device.DEFAULT.startswith("CPU"))
+
+
+def test_greedy_ids_on_a_gpu_layout_are_numpys_argmax():
+    """The tree of reductions GPUs take (engine/stage.py `greedy_ids`: every device but the CPU), run on tinygrad's
+    PYTHON device: ties go to the first index, a row of -inf gives 0, vocab sizes off the tree's fan-out."""
+    from tinygrad import Tensor
+    from engine.stage import greedy_ids
+    rng = np.random.default_rng(5)
+    for vocab, rows in ((1000, 3), (257, 2), (33, 1), (7, 2)):
+        a = rng.standard_normal((rows, vocab)).astype(np.float32)
+        a[0, vocab // 3] = a[0, vocab - 1] = 40.0
+        if rows > 1:
+            a[1] = -np.inf
+        got = greedy_ids(Tensor(a, device="PYTHON")).numpy()
+        assert got.dtype == np.int32 and np.array_equal(got, np.argmax(a, axis=1)), (vocab, got)
