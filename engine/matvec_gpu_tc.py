@@ -1,0 +1,246 @@
+"""The resident-block matvec on tensor cores (CUDA mma.sync m16n8k16, bf16 in, f32 out): y = x @ W.T for Q4_0 and
+Q8_0 blocks, every batch size from 1 column up, written in UOps with tinygrad's WMMA op (no CUDA C).
+
+Why tensor cores (NOTES "The batch matvec", "Tensor cores"): on CUDA cores a decoded value costs a decode, a place
+and a product instruction, and every column of a batch multiplies it again; the 8B Q4_0 step was issue-bound and a
+16-column step cost ~4.6 one-column steps. Here a warp decodes a 16-row x 32-value block once into the MMA's A
+fragment and the tensor cores multiply it into 8 columns at a time.
+
+Numerics. The quants are small integers, exact in bf16 (Q4_0 v - 8 in -8..7, Q8_0 -128..127). x is split into three
+bf16 pieces, x = hi + mid + lo, each the top 8 significant bits of what is left (bit masks and exact f32
+subtractions): 24 bits, so the pieces hold x exactly, and bf16 keeps f32's exponent range (f16 pieces would need a
+scale per column: small activations go subnormal). So every product in the MMAs is exact and only the order of the
+sums differs from f32. A block's partial goes through the MMA chain lo, mid, hi (smallest first) from C = 0, then
+acc += d * partial in f32: the block scale d stays out of A. A column's result depends only on its own x (an MMA's
+output column reads only its B column), and the order of the sums is fixed by the matrix's shape, never by the
+batch: a column has the same bits alone and in any batch.
+
+Layout (`tc_repack`, a one-time repack at load, same bytes as the file): for each 16-row tile and block, the 32
+lanes of a warp each load their A fragment's quants with one vector load: lane (g, c) = 4 g + c holds rows g and
+g + 8 of the tile. Q4_0: word c (bytes 4c..4c+3) of each of the two rows, 8 bytes a lane; Q8_0: words 2c, 2c + 1 of
+each, 16 bytes. The k order inside an MMA is free as long as A and B agree, so the decode takes the nibbles/bytes
+as they lie in the words and B gathers x to match (`_k_slots`). Scales: (tiles, blocks, 8, 2) f16, the pair
+(row g, row g + 8) one 4-byte load.
+
+Decode to bf16 by the exponent trick: Q4_0 nibbles ((w >> sh) & 0x000F000F) | 0x43004300 read as two bf16 128 + n
+(bf16 has 7 mantissa bits: a high nibble is shifted down first); one bf16 subtraction leaves n - 8 exactly. Q8_0 bytes go
+through f32 (bf16 has 7 mantissa bits, a byte needs 8): (byte ^ 0x80) | 2^23 bits less 2^23 + 128, then the top
+16 bits of the f32 are the bf16 (exact: an integer of 8 bits).
+
+Work split: a thread block is S warps over the blocks of a row (warp s takes blocks s, s + S, ...) and R tiles of
+16 rows; each warp keeps R x NT accumulator fragments (NT = ceil(N / 8) column tiles). The S partials of each
+output meet in shared memory and are added in order s = 0..S-1. S depends on the matrix only (rows, blocks).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.device import Buffer
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import AxisType, KernelInfo
+
+F32, U32, U16, BF16 = dtypes.float32, dtypes.uint32, dtypes.uint16, dtypes.bfloat16
+TYPES = (Q.Q4_0, Q.Q8_0)
+# words a lane loads per block: Q4_0 one word of each of its two rows, Q8_0 two
+LANE_WORDS = {Q.Q4_0: 2, Q.Q8_0: 4}
+# the exponent words, read from memory so ptxas keeps them in registers: (w & mask) | M is one LOP3 with one
+# immediate (two immediates are two instructions, NOTES "Q4_0 and Q8_0 decoded in the word")
+M43, MAGIC = 0x43004300, 0x4B000000  # bf16 pair 128, 128; f32 2^23
+TC_MAGIC = (M43, MAGIC | 0x80, MAGIC | 0x8000)
+
+
+def tc_supported(ggml_type: int, rows: int, cols: int) -> bool:
+    return ggml_type in TYPES and rows % 16 == 0 and cols % 32 == 0
+
+
+def tc_repack(raw: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray]:
+    """Raw GGUF rows (rows, row_bytes) -> (quants (rows/16, blocks, 32, LANE_WORDS) uint32, scales (rows/16, blocks,
+    8, 2) float16): the same bytes as the file, in the order the warp's lanes load them (module docstring)."""
+    rows, row_bytes = raw.shape
+    bb = GGML_QUANT_SIZES[Q(ggml_type)][1]
+    nb, T = row_bytes // bb, rows // 16
+    blocks = raw.reshape(T, 2, 8, nb, bb)  # (tile, h, g, block, bytes): row 16 t + 8 h + g
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]  # (T, 2, 8, nb)
+    scales = np.ascontiguousarray(d.transpose(0, 3, 2, 1))  # (T, nb, g, h)
+    q = blocks[..., 2:]  # (T, 2, 8, nb, 16 or 32)
+    per = LANE_WORDS[ggml_type] // 2  # words of a row a lane takes
+    q = q.reshape(T, 2, 8, nb, 4, per * 4)  # (..., c, bytes of lane c)
+    q = q.transpose(0, 3, 2, 4, 1, 5)  # (T, nb, g, c, h, bytes)
+    words = np.ascontiguousarray(q).view(np.uint32).reshape(T, nb, 32, 2 * per)
+    return words, scales
+
+
+def tc_unpack(words: np.ndarray, scales: np.ndarray, ggml_type: int) -> np.ndarray:
+    """The inverse of `tc_repack`: raw GGUF rows."""
+    T, nb, _, lw = words.shape
+    per = lw // 2
+    q = words.view(np.uint8).reshape(T, nb, 8, 4, 2, per * 4).transpose(0, 4, 2, 1, 3, 5).reshape(T, 2, 8, nb, -1)
+    d = scales.transpose(0, 3, 2, 1)[..., None].copy().view(np.uint8)  # (T, 2, 8, nb, 2)
+    return np.concatenate([d, q], axis=-1).reshape(T * 16, -1)
+
+
+_MAGIC: dict[str, Tensor] = {}
+
+
+def tc_magic(device: str) -> Tensor:
+    """The decode's exponent words on `device` (TC_MAGIC, uint32), written straight into their buffer."""
+    if device not in _MAGIC:
+        buf = Buffer(device, len(TC_MAGIC), U32).allocate()
+        Device[buf.device].allocator._copyin(buf._buf, memoryview(np.array(TC_MAGIC, np.uint32).view(np.uint8)))
+        _MAGIC[device] = Tensor(UOp.from_buffer(buf))
+    return _MAGIC[device]
+
+
+SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 1.1B and 8B shapes)
+
+
+def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int]:
+    """(S, R): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
+    overrides), R tiles of 16 rows a warp (as many as shared memory holds for the n columns' partials, while there
+    are thread blocks enough; R does not change any sum)."""
+    most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
+    S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
+    nt = -(-n // 8)
+    R = max(d for d in (1, 2, 4) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= 49152
+            and (tiles // d >= 264 or d == 1))
+    return S, R
+
+
+def _bf(word: UOp, high: bool) -> UOp:
+    """The low or high bf16 of a uint32."""
+    return ((word >> 16) if high else word).cast(U16).bitcast(BF16)
+
+
+def _k_slots(ggml_type: int, c: UOp) -> list[list[UOp]]:
+    """Positions in the block of the 4 B values (b0..b3) of lane column-quarter c, for each of the block's 2 MMAs:
+    the values its A fragment holds (the decode's order)."""
+    if ggml_type == Q.Q4_0:  # word c: low nibbles of bytes (0, 2), (1, 3), then the high nibbles (+16)
+        return [[c * 4 + o + 16 * m for o in (0, 2, 1, 3)] for m in range(2)]
+    return [[c * 8 + 4 * m + o for o in range(4)] for m in range(2)]  # Q8_0: bytes 8c..8c+7 in order
+
+
+def _decode(ggml_type: int, words: list[UOp], magic: UOp) -> list[list[list[UOp]]]:
+    """A values as bf16 [mma][row half h][j] (j: the 4 k slots of `_k_slots`) from the lane's words."""
+    if ggml_type == Q.Q4_0:
+        m43 = magic[0]
+        out = [[[None] * 4 for _ in range(2)] for _ in range(2)]
+        for h in range(2):
+            w = words[h]
+            for m in range(2):  # low nibbles, then high ones
+                for part in range(2):  # bytes (0, 2) then (1, 3)
+                    sh = 8 * part + 4 * m
+                    v = ((w >> sh) if sh else w) & 0x000F000F | m43  # two bf16 128 + n
+                    for e in range(2):
+                        out[m][h][2 * part + e] = _bf(v, e == 1) - UOp.const(136.0, BF16)
+        return out
+    m80, m8000 = magic[1], magic[2]
+    out = [[[None] * 4 for _ in range(2)] for _ in range(2)]
+    for h in range(2):
+        for wi in range(2):  # word wi of the row: bytes 4 wi .. 4 wi + 3 = MMA wi's 4 slots
+            w = words[2 * h + wi]
+            for e in range(4):
+                src = w if e < 2 else w >> 16
+                bits = (src & (0xFF if e % 2 == 0 else 0xFF00)) ^ (m80 if e % 2 == 0 else m8000)
+                f = bits.bitcast(F32) * (1.0 if e % 2 == 0 else 2.0 ** -8) - (2.0 ** 23 + 128 if e % 2 == 0 else 2.0 ** 15 + 128)
+                out[wi][h][e] = _bf(f.bitcast(U32), True)
+    return out
+
+
+def _pieces(v: UOp) -> list[UOp]:
+    """x (f32) as three bf16 pieces lo, mid, hi with hi + mid + lo = x exactly: each the top 8 significant bits of
+    what is left (a mask), the rest an exact f32 subtraction; the last rest has at most 8 bits."""
+    hi = v.bitcast(U32) & 0xFFFF0000
+    r = v - hi.bitcast(F32)
+    mid = r.bitcast(U32) & 0xFFFF0000
+    lo = (r - mid.bitcast(F32)).bitcast(U32)
+    return [_bf(lo, True), _bf(mid, True), _bf(hi, True)]
+
+
+def tc_matvec_kernel(name: str, ggml_type: int):
+    """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
+    x (N, cols) f32, tc_magic())."""
+    def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp) -> UOp:
+        T, nb, _, LW = words.shape
+        N = x.shape[0]
+        S, R = tc_layout(T, nb, N)
+        NT = -(-N // 8)
+        # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
+        # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
+        # and the MMA's fragments are defined by the lane number
+        tid = UOp.special(32 * S, "lidx0")
+        c, g, s = tid % 4, (tid // 4) % 8, tid // 32
+        tg = UOp.special(T // R, "gidx0")  # R tiles a thread block
+        lanes = ()
+        bi = UOp.range(nb // S, 4, AxisType.REDUCE)
+        b = bi * S + s if S > 1 else bi
+        lane = tid % 32
+        # the B values of this lane, column n = nt * 8 + g of each column tile (a column past N repeats N - 1:
+        # the same operations on the same values, so the same bits where it lands)
+        slots = _k_slots(ggml_type, c)
+        bvec = []
+        for nt in range(NT):
+            n = nt * 8 + g
+            n = (n < N).where(n, N - 1) if N % 8 or NT * 8 > N else n
+            bvec.append([[ _pieces(x[n, b * 32 + k]) for k in slots[m]] for m in range(2)])  # [m][j][piece]
+        accs = []
+        for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
+            a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
+            accs.append(a.after(UOp.group(*[a[e].store(0.0) for e in range(4)])))
+        stores = []
+        for r in range(R):
+            t = tg * R + r
+            wds = [words[t, b, lane, k] for k in range(LW)]
+            A = _decode(ggml_type, wds, magic)
+            avec = [UOp.stack(A[m][0][0], A[m][0][1], A[m][1][0], A[m][1][1],
+                              A[m][0][2], A[m][0][3], A[m][1][2], A[m][1][3]) for m in range(2)]
+            d = [scales[t, b, g, h].cast(F32) for h in range(2)]
+            for nt in range(NT):
+                acc = accs[r * NT + nt]
+                part = UOp.const((0.0,) * 4, F32)
+                for p in range(3):  # lo, mid, hi: the smallest first
+                    for m in range(2):
+                        bv = UOp.stack(*[bvec[nt][m][j][p] for j in range(4)])
+                        part = UOp.wmma(avec[m], bv, part, (8, 16, 16), "CUDA", 32)
+                for i in range(4):
+                    stores.append(acc[i].store(acc.after(bi)[i] + d[i // 2] * part.index(UOp.const(i, dtypes.int))))
+        step = UOp.group(*stores).end(bi)
+        # the S partials of each output through shared memory: smem[s, row in the R tiles, column of the NT tiles]
+        RR, CC = 16 * R, 8 * NT
+        smem = UOp.placeholder((S * RR * CC,), F32, 100, addrspace=AddrSpace.LOCAL)
+        parts = []
+        for r in range(R):
+            for nt in range(NT):
+                acc = accs[r * NT + nt].after(step)
+                for i in range(4):
+                    row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
+                    parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
+        parts = UOp.group(*parts)
+        # then thread q of the block sums outputs q, q + 32 S, ... (row fastest) over s in order
+        total, nthr = RR * N, 32 * S
+        K = -(-total // nthr)
+        q = tid
+        kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
+        o = kk * nthr + q
+        o = (o < total).where(o, total - 1) if K * nthr > total else o
+        row, col = o % RR, o // RR
+        acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+        si = UOp.range(S, 6, AxisType.REDUCE)
+        acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
+        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + col], end=si)[0]
+        st = out[col, tg * RR + row].store(y)
+        st = st.end(kk) if K > 1 else st
+        return st.sink(arg=KernelInfo(name=f"mvtc_{name}_{T}x16_{nb}_s{S}r{R}n{NT}",
+                                                      opts_to_apply=()))
+    return kernel
+
+
+def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor) -> Tensor:
+    """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout (`tc_repack`)."""
+    T = words.shape[0]
+    out = Tensor.empty(x.shape[0], T * 16, dtype=F32, device=words.device)
+    kern = tc_matvec_kernel(Q(ggml_type).name.lower(), ggml_type)
+    return Tensor.custom_kernel(out, words, scales, x.cast(F32).contiguous(), tc_magic(str(words.device)),
+                                fxn=kern)[0]
