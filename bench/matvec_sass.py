@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str) -> tuple[str, str]:
+def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str, tc: bool = False) -> tuple[str, str]:
     from gguf import GGMLQuantizationType as Q
     from tinygrad import Tensor
     from tinygrad.codegen import to_program
@@ -37,6 +37,15 @@ def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str) -> tuple[
     from tinygrad.uop.ops import Ops
     from engine.quant import QuantWeight, interleave_for, repack
     from tests.test_engine_quant import blocks_of
+    if tc:  # engine/matvec_gpu_tc.py: its own layout and kernel
+        from engine.matvec_gpu_tc import tc_matmul_t, tc_repack
+        words, scales = tc_repack(blocks_of(qtype, rows, cols), Q[qtype])
+        out = tc_matmul_t(Tensor(words, device="PYTHON").realize(), Tensor(scales, device="PYTHON").realize(), Q[qtype],
+                          Tensor(np.zeros((n, cols), np.float32), device="PYTHON").realize())
+        lin, _ = out.linear_with_vars()
+        ast = next(u for u in lin.toposort() if u.op is Ops.SINK and getattr(u.arg, "name", "").startswith("mvtc_"))
+        prg = to_program(ast, CUDARenderer(Target.parse("CUDA:CUDA:sm_90"), use_nvcc=True))
+        return ast.arg.name, next(s.arg for s in prg.src if s.op is Ops.SOURCE)
     rest, halfs = repack(blocks_of(qtype, rows, cols), Q[qtype], interleave_for(rows))
     w = QuantWeight(Tensor(rest, device="PYTHON").realize(), Tensor(halfs, device="PYTHON").realize(), (rows, cols),
                     Q[qtype])
@@ -86,8 +95,9 @@ def loop_mix(text: str) -> tuple[collections.Counter, int]:
     return mix, (best[1] - best[0]) // 16 + 1 if best else 0
 
 
-INT = {"LOP3", "SHF", "IADD3", "IMAD", "PRMT", "BFE", "LEA", "ISETP", "IABS", "I2FP", "F2I", "IMNMX", "SEL", "BMSK"}
-FP = {"FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "FSEL", "FMNMX", "F2F"}
+INT = {"LOP3", "SHF", "IADD3", "IMAD", "PRMT", "BFE", "LEA", "ISETP", "IABS", "I2FP", "F2I", "IMNMX", "SEL", "BMSK",
+       "VIADD"}
+FP = {"FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "FSEL", "FMNMX", "F2F", "F2FP"}
 
 
 def main() -> None:
@@ -98,6 +108,7 @@ def main() -> None:
     ap.add_argument("--n", default="1", help="columns (batch) to render, comma separated")
     ap.add_argument("--mode", default="plain", choices=["plain", "norm"])
     ap.add_argument("--show", action="store_true", help="print the CUDA source and the loop's SASS")
+    ap.add_argument("--tc", action="store_true", help="the tensor-core kernel (engine/matvec_gpu_tc.py)")
     a = ap.parse_args()
     from engine.matvec_gpu import gpu_layout
     from engine.quant import SPECS
@@ -105,9 +116,21 @@ def main() -> None:
     for qt in a.types.split(","):
         spec = SPECS[Q[qt]]
         for n in (int(v) for v in a.n.split(",")):
-            name, src = kernel_source(qt, a.rows, a.cols, n, a.mode)
+            name, src = kernel_source(qt, a.rows, a.cols, n, a.mode, a.tc)
             regs, text = sass(src)
             mix, _ = loop_mix(text)
+            if a.tc:  # a lane decodes 16 values a tile and block, R tiles (r<R> in the name); a column tile of 8
+                R = int(re.search(r"r(\d+)n\d+$", name).group(1))
+                vals, tot = 16 * R, sum(mix.values())
+                i = sum(v for k, v in mix.items() if k in INT)
+                f = sum(v for k, v in mix.items() if k in FP)
+                print(f"{qt} n={n} {name}: {regs}; loop {tot} instructions for {vals} values a lane: {tot / vals:.2f} a "
+                      f"value ({i / vals:.2f} integer, {f / vals:.2f} float, {mix['HMMA'] / vals:.2f} HMMA); "
+                      + " ".join(f"{k}:{v}" for k, v in mix.most_common()))
+                if a.show:
+                    print(src)
+                    print(text)
+                continue
             nb = a.cols // (spec.sub * spec.width)
             tw, p, bu = gpu_layout(nb, spec.width, a.rows)
             # lanes (rows a thread: 16, or r<R> in the batch kernel's name) x values a thread decodes per loop pass

@@ -95,17 +95,18 @@ def tc_magic(device: str) -> Tensor:
 
 
 SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 1.1B and 8B shapes)
+WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
 
 
 def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int]:
     """(S, R): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
-    overrides), R tiles of 16 rows a warp (as many as shared memory holds for the n columns' partials, while there
-    are thread blocks enough; R does not change any sum)."""
+    overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid and the n columns' partials in
+    48 KB of shared memory (a warp splits x into its pieces once for its R tiles; R changes no sum)."""
     most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
-    R = max(d for d in (1, 2, 4) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= 49152
-            and (tiles // d >= 264 or d == 1))
+    R = max(d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= 49152
+            and (tiles // d * S >= WARPS or d == 1))
     return S, R
 
 

@@ -1,0 +1,103 @@
+"""The tensor-core matvec (engine/matvec_gpu_tc.py) on tinygrad's PYTHON device, which emulates CUDA's mma.sync
+m16n8k16 (runtime/ops_python.py: the WMMA op with device "CUDA", fragments lane by lane). The emulator adds an MMA's
+products in Python floats, so its sums are closer than the tensor cores' f32 ones: bounds against float64 here check
+the decode, the layout and the pieces of x; the device's own error is what bench/matvec_bench.py --tc prints.
+MESH_GPU_TEST_DEV=CUDA runs the same checks on a GPU."""
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from tinygrad import Tensor
+
+from engine.matvec_gpu_tc import tc_layout, tc_matmul_t, tc_repack, tc_unpack
+from tests.test_engine_quant import blocks_of
+
+DEV = os.environ.get("MESH_GPU_TEST_DEV", "PYTHON")
+
+
+def _any_quants(qtype: str, rows: int, cols: int, seed: int = 7) -> np.ndarray:
+    """Blocks with every quant value possible (random bytes), the scales of real blocks."""
+    raw = blocks_of(qtype, rows, cols).copy()
+    per = {"Q4_0": 18, "Q8_0": 34}[qtype]
+    blocks = raw.reshape(rows, -1, per)
+    blocks[:, :, 2:] = np.random.default_rng(seed).integers(0, 256, blocks[:, :, 2:].shape, dtype=np.uint8)
+    return raw
+
+
+def _weight(raw: np.ndarray, qtype: str) -> tuple[Tensor, Tensor]:
+    words, scales = tc_repack(raw, Q[qtype])
+    return Tensor(words, device=DEV).realize(), Tensor(scales, device=DEV).realize()
+
+
+def _run(w: tuple[Tensor, Tensor], qtype: str, x: np.ndarray) -> np.ndarray:
+    return tc_matmul_t(*w, Q[qtype], Tensor(x, device=DEV)).numpy()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_the_repack_keeps_the_files_bytes(qtype):
+    raw = _any_quants(qtype, 48, 256)
+    words, scales = tc_repack(raw, Q[qtype])
+    assert words.nbytes + scales.nbytes == raw.nbytes  # regrouped, not widened
+    np.testing.assert_array_equal(tc_unpack(words, scales, Q[qtype]), raw)
+
+
+@pytest.mark.parametrize("qtype,rows,cols,n", [
+    ("Q4_0", 32, 256, 1), ("Q8_0", 32, 256, 1),  # S = 8 warps over a row's blocks
+    ("Q4_0", 48, 128, 3), ("Q8_0", 16, 704, 2),  # 3 tiles; 22 blocks (S = 2), as the 1.1B ffn_down's 176
+    ("Q8_0", 80, 128, 9), ("Q4_0", 64, 64, 16)])  # two column tiles (ragged, full)
+def test_tc_matvec_against_float64(qtype, rows, cols, n):
+    raw = _any_quants(qtype, rows, cols)
+    x = np.random.default_rng(1).standard_normal((n, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64).T
+    got = _run(_weight(raw, qtype), qtype, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_x_keeps_f32s_precision_and_range(qtype):
+    """The three bf16 pieces hold x exactly over f32's whole range: with one quant a row, each output is d q x_k,
+    right to f32's rounding for x from 1e-30 to 1e30 (f16 pieces would lose the small ones to subnormals and the
+    large ones to infinity; one bf16 piece would keep 8 bits of 24)."""
+    rows, cols = 16, 256
+    raw = blocks_of(qtype, rows, cols).copy()
+    per, zero = {"Q4_0": (18, 0x88), "Q8_0": (34, 0)}[qtype]
+    blocks = raw.reshape(rows, -1, per)
+    blocks[:, :, 2:] = zero  # every quant 0 (Q4_0: nibble 8) ...
+    rng = np.random.default_rng(3)
+    ks = rng.choice(cols, rows, replace=False)
+    for r, k in enumerate(ks):  # ... but one a row
+        b, j = divmod(int(k), 32)
+        if qtype == "Q8_0":
+            blocks[r, b, 2 + j] = 0x80 | 0x35  # -75
+        else:
+            byte = 2 + (j % 16)
+            blocks[r, b, byte] = (blocks[r, b, byte] & (0x0F if j >= 16 else 0xF0)) | ((3 << 4) if j >= 16 else 3)
+    x = (rng.standard_normal((2, cols)) * 10.0 ** rng.uniform(-30, 30, (2, cols))).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64).T
+    got = _run(_weight(raw, qtype), qtype, x)
+    np.testing.assert_allclose(got, want, rtol=2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("qtype,rows,cols", [("Q4_0", 32, 256), ("Q8_0", 48, 128)])
+def test_a_column_alone_and_in_any_batch_has_the_same_bits(qtype, rows, cols):
+    """The scheduler's contract: a column's output does not depend on the columns beside it. Batches of 16, 9 and
+    5 (full, ragged column tiles: a padding column repeats the last one) against each column alone."""
+    raw = _any_quants(qtype, rows, cols)
+    w = _weight(raw, qtype)
+    x = np.random.default_rng(5).standard_normal((16, cols)).astype(np.float32)
+    alone = np.concatenate([_run(w, qtype, x[i:i + 1]) for i in range(16)])
+    for n in (16, 9, 5):
+        np.testing.assert_array_equal(_run(w, qtype, x[16 - n:]), alone[16 - n:])
+
+
+def test_the_order_of_sums_is_the_matrixs():
+    """S (warps over a row's blocks: the order of the sums) comes from the matrix alone; R (tiles a warp) shrinks
+    with the columns and the warps a grid needs, and changes no sum."""
+    for tiles, nb in ((1792, 128), (384, 128), (256, 448), (160, 64), (2000, 64), (3, 11)):
+        S = {tc_layout(tiles, nb, n)[0] for n in range(1, 17)}
+        assert len(S) == 1 and nb % S.pop() == 0
+    assert tc_layout(1792, 128, 1) == (8, 4) and tc_layout(8016, 128, 1) == (8, 8)  # 8B gate_up, head
+    assert tc_layout(384, 128, 1) == (8, 1)  # 8B qkv: 3072 warps at one tile a warp
+    assert tc_layout(3, 11, 16) == (1, 1) and tc_layout(8016, 448, 16)[0] == 8
