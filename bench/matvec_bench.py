@@ -2,6 +2,7 @@
 
     DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q8_0,Q4_0 --layouts default,8:256,2:256
     DEV=CUDA python3 bench/matvec_bench.py --shape 1.1b --types Q8_0 --n 16 --wide 0,16,8 --as-engine
+    DEV=CUDA python3 bench/matvec_bench.py --shape 8b --types Q4_0,Q8_0 --n 1 --tc
 
 A layout is MESH_GPU_MV's value, written with ':' so the list can use commas (engine/matvec_gpu.py `gpu_layout`):
 "naive" is a thread per row (engine/quant.py); "TW:THREADS" TW threads sharing a block's values, at most THREADS
@@ -12,7 +13,8 @@ them between uses), and divides the replay's wall time by the number of matvecs:
 included, as in a decode step. Random blocks with small f16 scales (bench/synth_gguf.py's generator); the result
 is checked against numpy on the first copy. --n N: a batch of N columns (a batched decode step or a prefill chunk);
 --wide crosses every layout with MESH_GPU_MV_WIDE values (0: the tiles of engine/matvec_gpu.py; "16", "8:2":
-engine/matvec_gpu_wide.py's columns[:words] a thread block).
+engine/matvec_gpu_wide.py's columns[:words] a thread block). --tc adds the tensor-core kernel (engine/matvec_gpu_tc.py,
+plain matvecs of Q4_0/Q8_0) on the same weights in its own layout, with its time against the first layout's.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--n", type=int, default=1, help="columns a matvec (a batch)")
     ap.add_argument("--wide", default="", help="comma list of MESH_GPU_MV_WIDE values, ':' for ','")
+    ap.add_argument("--tc", action="store_true", help="also the tensor-core kernel (engine/matvec_gpu_tc.py, its own "
+                    "layout; Q4_0/Q8_0, plain): its time against the first layout's, and both errors against float64")
     a = ap.parse_args()
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from gguf.quants import dequantize
@@ -94,7 +98,16 @@ def main() -> None:
                 kw["residual"] = Tensor(r, device=dev).realize()
                 add = r[:, :min(rows, 4096)]
             want = xin @ dequantize(raw[:min(rows, 4096)], Q[qt]).reshape(-1, cols).T.astype(np.float64) + add
+            tcw = []
+            if a.tc and not kw and not a.as_engine:
+                from engine.matvec_gpu_tc import tc_repack, tc_supported
+                if tc_supported(Q[qt], rows, cols):
+                    words, scales = tc_repack(raw, Q[qt])
+                    tcw = [(Tensor(words, device=dev).contiguous().realize(), Tensor(scales, device=dev).contiguous().realize())
+                           for _ in range(copies)]
+                    del words, scales
             del raw, rest, halfs
+            first_us = first_err = None
             for layout, wide in [(lay, wd) for lay in a.layouts.split(",") for wd in (a.wide.split(",") if a.wide else [None])]:
                 os.environ["MESH_GPU_MV"] = layout.replace(":", ",")
                 if wide is not None:
@@ -119,6 +132,7 @@ def main() -> None:
                         Device[dev].synchronize()
                         times.append((time.perf_counter() - t) / copies)
                     us = statistics.median(times) * 1e6
+                    first_us, first_err = (us, err) if first_us is None else (first_us, first_err)
                     line = (f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {nbytes / 1e6:8.1f} MB  {label:7s} {us:9.1f} us "
                             + (f"({us / a.n:6.2f} a column) " if a.n > 1 else "")
                             + f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}  ({copies} copies, first calls {compile_s:.1f} s)")
@@ -126,9 +140,47 @@ def main() -> None:
                     line = f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {label:7s} FAILED {type(e).__name__}: {str(e)[:200]}"
                 print(line, flush=True)
                 rows_out.append(line)
-            del ws
+            if tcw:
+                line = _time_tc(tcw, Q[qt], x, want, a.reps, copies, dev, f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} "
+                                f"{nbytes / 1e6:8.1f} MB  tc     ", nbytes, a.n, first_us, first_err)
+                print(line, flush=True)
+                rows_out.append(line)
+            del ws, tcw
     print("\nsummary")
     print("\n".join(rows_out))
+
+
+def _time_tc(tcw, qtype, x, want, reps, copies, dev, head, nbytes, n, base_us, base_err) -> str:
+    """The tensor-core kernel over the same copies, timed as the layouts are; its error against float64 and its
+    time as a ratio to the first layout's (today's kernel, same run). "err ok": within 2x the first layout's error
+    (and 1e-6 of the largest output), else "err WORSE"."""
+    from tinygrad import Device, TinyJit
+    from engine.matvec_gpu_tc import tc_matmul_t
+
+    @TinyJit
+    def step(x):
+        return [tc_matmul_t(w, s, qtype, x).realize() for w, s in tcw]
+    try:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            outs = step(x)
+        Device[dev].synchronize()
+        compile_s = time.perf_counter() - t0
+        got = outs[0].numpy()[:, :want.shape[1]]
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            step(x)
+            Device[dev].synchronize()
+            times.append((time.perf_counter() - t) / copies)
+        us = statistics.median(times) * 1e6
+        ratio = f"  {base_us / us:5.2f}x the first layout" if base_us else ""
+        ok = "" if base_err is None else " ok" if err <= max(2 * base_err, 1e-6) else " WORSE"
+        return (head + f"{us:9.1f} us " + (f"({us / n:6.2f} a column) " if n > 1 else "")
+                + f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}{ok}{ratio}  (first calls {compile_s:.1f} s)")
+    except Exception as e:  # must not hide the other rows
+        return head + f"FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
 if __name__ == "__main__":
