@@ -45,6 +45,8 @@
 #                              s7 in the time left; follow with s6b
 #   bench/h200_synth.sh s9     a fresh machine: decode_profile (parts, --kernels, ncu) of the 8B Q4_0 step, and ncu of a
 #                              16-column step of the 1.1B Q8_0 file (issue 11): where the time goes, before a change
+#   bench/h200_synth.sh tc     a fresh machine: the tensor-core matvec (engine/matvec_gpu_tc.py): tests and SASS on CUDA,
+#                              bench/matvec_bench.py --tc on the 8B and 1.1B shapes at 1 and 16 columns ($TC_RUNS)
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -62,7 +64,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, tc or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -565,6 +567,24 @@ s9b)  # seventh session, a fresh machine after a decode-step change: llama.cpp b
     echo "== engine_bench $f with llama-bench (limit ${lim}s)"
     DEV=CUDA timeout $lim python3 bench/engine_bench.py --model $M/$f.gguf --synthetic-prompt 16 --tokens 64 --ctx 256 \
       --skip llama,memory,batch,split --llama-bench /tmp/lc/b/bin/llama-bench 2>&1 | grep -v Warning | tee -a "$OUT/engine.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+tc)  # seventh session (helper tc), a fresh machine: the tensor-core matvec (engine/matvec_gpu_tc.py): its tests on
+  # CUDA, its SASS there, then bench/matvec_bench.py --tc (today's kernel and the tensor-core one on the same random
+  # weights, each in its own layout, one run: ratio and both errors against float64) on the 8B and 1.1B shapes at 1
+  # and 16 columns. Needs no GGUF file; ~6-8 minutes
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
+    2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  PATH=$PATH:/usr/local/cuda/bin timeout 60 python3 bench/matvec_sass.py --tc --types Q4_0,Q8_0 --rows 28672 \
+    --cols 4096 --n 1,16 2>&1 | grep -v Warning | tee "$OUT/sass.txt"
+  for run in ${TC_RUNS:-8b:1 1.1b:16 8b:16 1.1b:1}; do
+    lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $run: no time"; continue; }; [ "$lim" -gt 170 ] && lim=170
+    echo "== matvec_bench --shape ${run%:*} --n ${run#*:} --tc (limit ${lim}s)"
+    DEV=CUDA timeout $lim python3 bench/matvec_bench.py --shape ${run%:*} --n ${run#*:} --types Q4_0,Q8_0 --tc \
+      --reps 10 2>&1 | grep -v Warning > "$OUT/matvec_tc_${run%:*}_${run#*:}.txt"
+    sed -n '/^summary/,$p' "$OUT/matvec_tc_${run%:*}_${run#*:}.txt" | tee -a "$OUT/matvec_tc.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

@@ -123,6 +123,26 @@ def _k_slots(ggml_type: int, c: UOp) -> list[list[UOp]]:
     return [[c * 8 + 4 * m + o for o in range(4)] for m in range(2)]  # Q8_0: bytes 8c..8c+7 in order
 
 
+def _lane_order(ggml_type: int, k: UOp) -> UOp:
+    """Where value k of a row goes in the shared-memory copy of x: block b's 32 values as [lane quarter c][mma m]
+    [slot j], so that a lane's 4 B values of both MMAs are 8 contiguous bf16 (one 16-byte load). The inverse of
+    `_k_slots`: Q8_0's order is the identity; Q4_0's slots (4c, 4c+2, 4c+1, 4c+3) + 16 m."""
+    if ggml_type == Q.Q8_0:
+        return k
+    j = k % 32
+    o = j % 4
+    return k - j + ((j % 16) // 4) * 8 + (j // 16) * 4 + (o % 2) * 2 + o // 2
+
+
+SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
+
+
+def shared_split(n: int, cols: int, S: int, R: int) -> bool:
+    """Whether the x pieces of n columns fit shared memory beside the partials (3 bf16 a value): one column of up
+    to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
+    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 <= SHARED_BYTES
+
+
 def _decode(ggml_type: int, words: list[UOp], magic: UOp) -> list[list[list[UOp]]]:
     """A values as bf16 [mma][row half h][j] (j: the 4 k slots of `_k_slots`) from the lane's words."""
     if ggml_type == Q.Q4_0:
@@ -181,11 +201,31 @@ def tc_matvec_kernel(name: str, ggml_type: int):
         # the B values of this lane, column n = nt * 8 + g of each column tile (a column past N repeats N - 1:
         # the same operations on the same values, so the same bits where it lands)
         slots = _k_slots(ggml_type, c)
-        bvec = []
+        C = nb * 32
+        cols = []
         for nt in range(NT):
             n = nt * 8 + g
-            n = (n < N).where(n, N - 1) if N % 8 or NT * 8 > N else n
-            bvec.append([[ _pieces(x[n, b * 32 + k]) for k in slots[m]] for m in range(2)])  # [m][j][piece]
+            cols.append((n < N).where(n, N - 1) if N % 8 or NT * 8 > N else n)
+        if shared_split(N, C, S, R):
+            # few columns: the thread block splits x once into shared memory (xs[piece, n, position]) before the loop,
+            # each value by one thread, in the order the lanes read it (`_lane_order`: a lane's 8 values of a block
+            # contiguous), instead of every column group of every warp splitting the same x in registers. The same
+            # `_pieces`, so the same bf16 values as the register split: a column's bits do not depend on the path
+            nthr, total = 32 * S, N * C
+            xs = UOp.placeholder((3 * total,), BF16, 101, addrspace=AddrSpace.LOCAL)
+            kq = UOp.range(-(-total // nthr), 7) if total > nthr else UOp.const(0, tid.dtype)
+            v = kq * nthr + tid
+            v = (v < total).where(v, total - 1) if (-(-total // nthr)) * nthr > total else v
+            vn, vk = v // C, v % C
+            pos = vn * C + _lane_order(ggml_type, vk)
+            pcs = _pieces(x[vn, vk])
+            split = UOp.group(*[xs[p * total + pos].store(pcs[p]) for p in range(3)])
+            split = split.end(kq) if total > nthr else split
+            xs = xs.after(split)
+            bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
+                     for m in range(2)] for n in cols]
+        else:
+            bvec = [[[_pieces(x[n, b * 32 + k]) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
         accs = []
         for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
             a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)

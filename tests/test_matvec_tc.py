@@ -77,7 +77,7 @@ def test_x_keeps_f32s_precision_and_range(qtype):
     x = (rng.standard_normal((2, cols)) * 10.0 ** rng.uniform(-30, 30, (2, cols))).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64).T
     got = _run(_weight(raw, qtype), qtype, x)
-    np.testing.assert_allclose(got, want, rtol=2 ** -23, atol=0)
+    np.testing.assert_allclose(got, want, rtol=2 ** -21, atol=0)  # a few roundings of f32 (the MMA chain, d)
 
 
 @pytest.mark.parametrize("qtype,rows,cols", [("Q4_0", 32, 256), ("Q8_0", 48, 128)])
