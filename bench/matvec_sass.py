@@ -120,7 +120,7 @@ def main() -> None:
             regs, text = sass(src)
             mix, _ = loop_mix(text)
             if a.tc:  # a lane decodes 16 values a tile and block, R tiles (r<R> in the name); a column tile of 8
-                R = int(re.search(r"r(\d+)n\d+$", name).group(1))
+                R = int(re.search(r"r(\d+)n\d+x?$", name).group(1))
                 vals, tot = 16 * R, sum(mix.values())
                 i = sum(v for k, v in mix.items() if k in INT)
                 f = sum(v for k, v in mix.items() if k in FP)

@@ -98,16 +98,27 @@ SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 
 WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
 
 
-def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int]:
-    """(S, R): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
-    overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid and the n columns' partials in
-    48 KB of shared memory (a warp splits x into its pieces once for its R tiles; R changes no sum)."""
+def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int, bool]:
+    """(S, R, shared): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
+    overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid and fit shared memory (a warp's x
+    pieces serve its R tiles; R changes no sum), and whether x is split once into shared memory (`shared_split`),
+    which takes precedence over a larger R."""
     most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
-    R = max(d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= 49152
-            and (tiles // d * S >= WARPS or d == 1))
-    return S, R
+    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= SHARED_BYTES
+            and (tiles // d * S >= WARPS or d == 1)]
+    shared = [d for d in fits if shared_split(n, nb * 32, S, d)]
+    return (S, max(shared), True) if shared else (S, max(fits), False)
+
+
+SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
+
+
+def shared_split(n: int, cols: int, S: int, R: int) -> bool:
+    """Whether the x pieces of n columns fit shared memory beside the partials (3 bf16 a value): one column of up
+    to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
+    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 <= SHARED_BYTES
 
 
 def _bf(word: UOp, high: bool) -> UOp:
@@ -132,15 +143,6 @@ def _lane_order(ggml_type: int, k: UOp) -> UOp:
     j = k % 32
     o = j % 4
     return k - j + ((j % 16) // 4) * 8 + (j // 16) * 4 + (o % 2) * 2 + o // 2
-
-
-SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
-
-
-def shared_split(n: int, cols: int, S: int, R: int) -> bool:
-    """Whether the x pieces of n columns fit shared memory beside the partials (3 bf16 a value): one column of up
-    to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
-    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 <= SHARED_BYTES
 
 
 def _decode(ggml_type: int, words: list[UOp], magic: UOp) -> list[list[list[UOp]]]:
@@ -186,7 +188,7 @@ def tc_matvec_kernel(name: str, ggml_type: int):
     def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp) -> UOp:
         T, nb, _, LW = words.shape
         N = x.shape[0]
-        S, R = tc_layout(T, nb, N)
+        S, R, shared = tc_layout(T, nb, N)
         NT = -(-N // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
         # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
@@ -206,7 +208,7 @@ def tc_matvec_kernel(name: str, ggml_type: int):
         for nt in range(NT):
             n = nt * 8 + g
             cols.append((n < N).where(n, N - 1) if N % 8 or NT * 8 > N else n)
-        if shared_split(N, C, S, R):
+        if shared:
             # few columns: the thread block splits x once into shared memory (xs[piece, n, position]) before the loop,
             # each value by one thread, in the order the lanes read it (`_lane_order`: a lane's 8 values of a block
             # contiguous), instead of every column group of every warp splitting the same x in registers. The same
@@ -273,7 +275,7 @@ def tc_matvec_kernel(name: str, ggml_type: int):
         y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + col], end=si)[0]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        return st.sink(arg=KernelInfo(name=f"mvtc_{name}_{T}x16_{nb}_s{S}r{R}n{NT}",
+        return st.sink(arg=KernelInfo(name=f"mvtc_{name}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel
 

@@ -98,6 +98,9 @@ def test_the_order_of_sums_is_the_matrixs():
     for tiles, nb in ((1792, 128), (384, 128), (256, 448), (160, 64), (2000, 64), (3, 11)):
         S = {tc_layout(tiles, nb, n)[0] for n in range(1, 17)}
         assert len(S) == 1 and nb % S.pop() == 0
-    assert tc_layout(1792, 128, 1) == (8, 4) and tc_layout(8016, 128, 1) == (8, 8)  # 8B gate_up, head
-    assert tc_layout(384, 128, 1) == (8, 1)  # 8B qkv: 3072 warps at one tile a warp
-    assert tc_layout(3, 11, 16) == (1, 1) and tc_layout(8016, 448, 16)[0] == 8
+    assert tc_layout(1792, 128, 1) == (8, 4, True)  # 8B gate_up: x split once into shared memory
+    assert tc_layout(8016, 128, 1) == (8, 4, True)  # 8B head: R = 8 would leave no room for x's pieces
+    assert tc_layout(8016, 128, 16) == (8, 4, False)  # 16 columns: each warp splits its x in registers
+    assert tc_layout(384, 128, 1) == (8, 1, True)  # 8B qkv: 3072 warps at one tile a warp
+    assert tc_layout(256, 448, 1) == (8, 1, False)  # 8B ffn_down: 14336 columns, too many for shared memory
+    assert tc_layout(3, 11, 16) == (1, 1, False) and tc_layout(8016, 448, 16)[0] == 8
