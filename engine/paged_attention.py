@@ -357,10 +357,13 @@ def _rope_write_kernel(runs: Sequence[Run], B: int, H: int, KvH: int, Hd: int, m
 
     def kernel(qo: UOp, pk: UOp, pv: UOp, src: UOp, cos: UOp, sin: UOp, table: UOp) -> UOp:
         N = src.shape[0]
-        c, j = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(HH + 2 * W, 1, AxisType.GLOBAL)
+        # a thread block per head of the row, a thread per value: with both ranges global (and no opts) the launch
+        # was a thread block of one thread per value, 6144 of them at the 8B shape (6.0 us a layer on the H200)
+        c, hb = UOp.range(N, 0, AxisType.GLOBAL), UOp.range((HH + 2 * W) // Hd, 1, AxisType.GLOBAL)
+        e = UOp.range(Hd, 2, AxisType.LOCAL)
         slot, pos = _slot_pos(c, runs)
-        e = j % Hd
-        i, base = e % R2, j - e
+        base = hb * Hd
+        j, i = base + e, e % R2
         x1, x2 = src[c, base + i], src[c, base + i + R2]
         p = pos.minimum(max_context - 1)  # a padded chunk's pad rows: positions past the context write the trash
         cs, sn = cos[p, i], sin[p, i]
@@ -369,7 +372,7 @@ def _rope_write_kernel(runs: Sequence[Run], B: int, H: int, KvH: int, Hd: int, m
         st = UOp.group(qo[c, j.valid(j < HH)].store(roped),
                        pk[(row * W + j - HH).valid((j >= HH) & (j < HH + W))].store(roped.cast(pk.dtype)),
                        pv[(row * W + j - (HH + W)).valid(j >= HH + W)].store(src[c, j].cast(pv.dtype)))
-        return st.end(j, c).sink(arg=KernelInfo(name=f"rope_kv_write_{tag}", opts_to_apply=()))
+        return st.end(e, hb, c).sink(arg=KernelInfo(name=f"rope_kv_write_{tag}", opts_to_apply=()))
     return kernel
 
 
