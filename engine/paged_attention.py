@@ -33,7 +33,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from .cpu_runner import cpu_threads
+from .cpu_runner import core_index, cpu_threads
 
 F32 = dtypes.float32
 LOG2E = 1.4426950408889634
@@ -90,7 +90,7 @@ def _cpu_pairs(N: int, H: int) -> tuple[UOp, UOp, tuple[UOp, UOp]]:
     P = N * H
     T = next(t for t in range(min(cpu_threads(), P), 0, -1) if P % t == 0)
     core, k = UOp.range(T, 0, AxisType.GLOBAL), UOp.range(P // T, 1)
-    pair = core * (P // T) + k
+    pair = core_index(core, T) * (P // T) + k
     return pair // H, pair % H, (k, core)
 
 

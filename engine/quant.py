@@ -35,7 +35,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
 
-from .cpu_runner import cpu_threads
+from .cpu_runner import core_index, cpu_threads
 
 from engine import quant_gemm
 from engine.matvec_gpu import gpu_matvec_kernel, magic_word
@@ -174,7 +174,7 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
             U = next(k for k in (GROUPS, 3, 2, 1) if k <= GROUPS and (G // threads) % k == 0)
             core, n = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(N, 1)
             gi, u = UOp.range(G // threads // U, 2), UOp.range(U, 97, AxisType.UPCAST)
-            g, ends = core * (G // threads) + gi * U + u, (gi, n, core)
+            g, ends = core_index(core, threads) * (G // threads) + gi * U + u, (gi, n, core)
         # every reset names all its enclosing loops: a loop of one iteration (one block per row) is folded away,
         # and a reset tied only to it would run once for the whole kernel
         outer = (n, g, lane) if gpu else (n, gi, core)
@@ -203,7 +203,7 @@ def _matvec_kernel(name: str, spec: BlockSpec, threads: int, gpu: bool, fused: F
                 acc = acc[i].set(acc.after(b, j)[i] + w * xv(b * E + si * spec.width + j),
                                  end=(lane, j, b, u) if si == spec.sub - 1 else (lane, j))
             lane, u = UOp.range(il, 99), UOp.range(U, 98)  # the results leave in loops of their own; ids above
-            acc_lane, g = u * il + lane + 1, core * (G // threads) + gi * U + u  # every sub-block's (5 + 2 * sub)
+            acc_lane, g = u * il + lane + 1, core_index(core, threads) * (G // threads) + gi * U + u  # every sub-block's (5 + 2 * sub)
         else:  # GPU (MESH_GPU_MV=naive): q * x summed per sub-block, scaled once (llama.cpp's order)
             byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
             half = lambda i: halfs[g, b, i, lane].cast(F32)

@@ -45,6 +45,7 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
 
 from . import cpu_kernels
+from .cpu_runner import core_index
 
 if TYPE_CHECKING:  # quant imports this module
     from .quant import BlockSpec
@@ -86,7 +87,7 @@ def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: b
         NT = -(-N // T)
         res = extra[0] if residual else None
         core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads, 1)
-        g = core * (G // threads) + gi
+        g = core_index(core, threads) * (G // threads) + gi
         # the sums of every column for this group's rows, in memory (N x il floats): a tile's T x il accumulators
         # are loaded into registers for one block, then written back. accm and wb are indexed from 1 (see above)
         accm = UOp.placeholder((NT * T * il + 1,), F32, 0, addrspace=AddrSpace.REG)
