@@ -105,14 +105,19 @@ def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: in
     def kernel_gpu(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
         # one launch axis over k's and v's values of a column (two sets of launch axes in one kernel ran the
         # write ~0.8 ms a layer on the H200: 8B decode at 34 tok/s), each store gated to its half
+        # and a thread block of T threads (global ranges alone, with no opts, launch one thread a block on a GPU)
         N, W = src.shape[0], width
-        c, j = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(2 * W, 1, AxisType.GLOBAL)
+        T = next((t for t in (128, 64, 32) if (2 * W) % t == 0), 1)
+        c, jb = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(2 * W // T, 1, AxisType.GLOBAL)
+        jl = UOp.range(T, 2, AxisType.LOCAL) if T > 1 else UOp.const(dtypes.int, 0)
+        j = jb * T + jl
         slot, pos = _slot_pos(c, runs)
         row = _row(table, slot, pos, B, pk.shape[0] // W)
         val = src[c, (j < W).where(j + k_off, j - W + v_off)]
         st = UOp.group(pk[(row * W + j).valid(j < W)].store(val.cast(pk.dtype)),
                        pv[(row * W + j - W).valid(j >= W)].store(val.cast(pv.dtype)))
-        return st.end(j, c).sink(arg=KernelInfo(name=f"kv_write_{tag}", opts_to_apply=()))
+        return (st.end(jl, jb, c) if T > 1 else st.end(jb, c)).sink(arg=KernelInfo(name=f"kv_write_{tag}",
+                                                                                    opts_to_apply=()))
 
     def kernel(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
         N, W = src.shape[0], width
