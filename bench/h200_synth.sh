@@ -46,7 +46,10 @@
 #   bench/h200_synth.sh s9     a fresh machine: decode_profile (parts, --kernels, ncu) of the 8B Q4_0 step, and ncu of a
 #                              16-column step of the 1.1B Q8_0 file (issue 11): where the time goes, before a change
 #   bench/h200_synth.sh tc     a fresh machine: the tensor-core matvec (engine/matvec_gpu_tc.py): tests and SASS on CUDA,
-#                              bench/matvec_bench.py --tc on the 8B and 1.1B shapes at 1 and 16 columns ($TC_RUNS)
+#                              bench/matvec_bench.py --tc on the 8B and 1.1B shapes at 1 and 16 columns ($TC_RUNS;
+#                              $TC_LAYOUTS="8:2048,16:2048,8:512": SPLIT:WARPS of the tensor-core kernel swept)
+#   bench/h200_synth.sh tc2    a fresh machine: the engine with MESH_GPU_MV=tc against without: serve_bench local 1,16
+#                              on 1.1b-Q8_0, then the engine bench on 8b-Q4_0 and 8b-Q8_0, time allowing
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
@@ -64,7 +67,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, tc or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -583,8 +586,30 @@ tc)  # seventh session (helper tc), a fresh machine: the tensor-core matvec (eng
     lim=$(( $(left) - 5 )); [ "$lim" -gt 40 ] || { echo "skip $run: no time"; continue; }; [ "$lim" -gt 170 ] && lim=170
     echo "== matvec_bench --shape ${run%:*} --n ${run#*:} --tc (limit ${lim}s)"
     DEV=CUDA timeout $lim python3 bench/matvec_bench.py --shape ${run%:*} --n ${run#*:} --types Q4_0,Q8_0 --tc \
-      --reps 10 2>&1 | grep -v Warning > "$OUT/matvec_tc_${run%:*}_${run#*:}.txt"
+      --reps 10 ${TC_LAYOUTS:+--tc-layouts $TC_LAYOUTS} 2>&1 | grep -v Warning > "$OUT/matvec_tc_${run%:*}_${run#*:}.txt"
     sed -n '/^summary/,$p' "$OUT/matvec_tc_${run%:*}_${run#*:}.txt" | tee -a "$OUT/matvec_tc.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+tc2)  # seventh session (helper tc), a fresh machine: the engine with the tensor-core matvec (MESH_GPU_MV=tc: weights
+  # loaded in its layout, the norm and residual fused) against without, each in its own process: serve_bench local
+  # 1,16 streams on 1.1b-Q8_0 (issue 11), then the engine bench on 8b-Q4_0 and 8b-Q8_0 (issue 9), time allowing
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  for f in 1.1b-Q8_0 8b-Q4_0 8b-Q8_0; do  # one after another in the background, the 1.1B first
+    [ -f $M/.$f ] || { python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f; }
+  done &
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_tc.py \
+    2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
+  F=1.1b-Q8_0; while [ ! -f $M/.$F ]; do sleep 2; done
+  for mv in "" tc; do
+    lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve ${mv:-default}: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench $F local, MESH_GPU_MV=${mv:-} (limit ${lim}s)"; uptime
+    MESH_GPU_MV=$mv DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  done
+  for f in 8b-Q4_0 8b-Q8_0; do
+    while [ ! -f $M/.$f ] && [ "$(left)" -gt 60 ]; do sleep 2; done
+    engine $f engine.txt; engine $f engine.txt tc
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

@@ -26,6 +26,7 @@ from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, ggml_data_to_tensor
 from .errors import EngineError, ModelFormatError, RangeError, UnsupportedModel
 from .gguf_meta import GGUFFile, ModelMeta, TensorInfo
 from .quant import DOTS, QuantWeight, concat, interleave_for, repack, resident_shapes
+from .matvec_gpu_tc import tc_repack, tc_shapes, tc_wanted
 
 WeightMode = Literal["gguf", "f32", "f16", "q8"]
 WEIGHT_MODES = ("gguf", "f32", "f16", "q8")
@@ -291,6 +292,8 @@ def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int, whole: np.ndarr
     il = interleave_for(n_rows)
     if whole is None and rope_heads:
         whole = unpermute_rope_rows(read_rows(g, info), rope_heads)
+    if tc_wanted(Device.DEFAULT, info.ggml_type, n_rows, cols):
+        return _load_tc(g, info, n_rows, cols, whole)
     rest_shape, halfs_shape = resident_shapes(info.ggml_type, n_rows, cols, il)
     rest, halfs = device_empty(rest_shape, dtypes.uint8), device_empty(halfs_shape, dtypes.float16)
     views = host_view(rest), host_view(halfs)
@@ -307,6 +310,22 @@ def _load_blocks(g: GGUFFile, info: TensorInfo, rope_heads: int, whole: np.ndarr
         write_into(halfs, p_halfs, r0 // il * p_halfs[0].nbytes)
         _copied(rest, p_rest.nbytes + p_halfs.nbytes)
     return Weight(None, (n_rows, cols), quant=QuantWeight(rest, halfs, (n_rows, cols), info.ggml_type))
+
+
+def _load_tc(g: GGUFFile, info: TensorInfo, n_rows: int, cols: int, whole: np.ndarray | None) -> Weight:
+    """Resident blocks in the tensor-core kernel's layout (engine/matvec_gpu_tc.py: MESH_GPU_MV=tc on CUDA), the same
+    bytes as the file, regrouped chunk by chunk through a host array and a raw copy."""
+    shapes = tc_shapes(info.ggml_type, n_rows, cols)
+    words, scales = device_empty(shapes[0], dtypes.uint32), device_empty(shapes[1], dtypes.float16)
+    row_bytes = info.nbytes // info.shape[0]
+    for r0 in range(0, n_rows, BLOCK_CHUNK_ROWS):  # a multiple of 16 rows a chunk
+        r1 = min(n_rows, r0 + BLOCK_CHUNK_ROWS)
+        part = whole[r0:r1] if whole is not None else read_rows(g, info, r0, r1, into=scratch((r1 - r0, row_bytes)))
+        p_words, p_scales = tc_repack(part, info.ggml_type)
+        write_into(words, p_words, r0 // 16 * p_words[0].nbytes)
+        write_into(scales, p_scales, r0 // 16 * p_scales[0].nbytes)
+        _copied(words, p_words.nbytes + p_scales.nbytes)
+    return Weight(None, (n_rows, cols), quant=QuantWeight(words, scales, (n_rows, cols), info.ggml_type, "tc"))
 
 
 def load_fused(g: GGUFFile, parts: list[tuple[TensorInfo, int]], mode: WeightMode) -> Weight | None:

@@ -126,12 +126,13 @@ _MAGIC: dict[str, Tensor] = {}
 
 
 def magic_word(device: str) -> Tensor:
-    """The kernel's exponent words on `device`: MAGIC, MAGIC | 0x80, MAGIC | 0x8000 (uint32), inputs so that no
-    compiler folds them into immediates (ptxas splits even a computed MAGIC | 0x80 back into its parts). Written
-    straight into their buffer, not through a schedule: a jit capturing the first matvec captures no copy."""
+    """The kernel's exponent words on `device`: MAGIC, MAGIC | 0x80, MAGIC | 0x8000 (uint32), and 0x43004300 (two
+    bf16 128s: the tensor-core kernel's Q4_0 decode, engine/matvec_gpu_tc.py), inputs so that no compiler folds them
+    into immediates (ptxas splits even a computed MAGIC | 0x80 back into its parts). Written straight into their
+    buffer, not through a schedule: a jit capturing the first matvec captures no copy."""
     if device not in _MAGIC:
-        buf = Buffer(device, 3, U32).allocate()
-        words = np.array([MAGIC, MAGIC | 0x80, MAGIC | 0x8000], np.uint32)
+        buf = Buffer(device, 4, U32).allocate()
+        words = np.array([MAGIC, MAGIC | 0x80, MAGIC | 0x8000, 0x43004300], np.uint32)
         Device[buf.device].allocator._copyin(buf._buf, memoryview(words.view(np.uint8)))
         _MAGIC[device] = Tensor(UOp.from_buffer(buf))
     return _MAGIC[device]

@@ -37,8 +37,7 @@ import os
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from tinygrad import Device, Tensor, UOp, dtypes
-from tinygrad.device import Buffer
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
 
@@ -46,14 +45,26 @@ F32, U32, U16, BF16 = dtypes.float32, dtypes.uint32, dtypes.uint16, dtypes.bfloa
 TYPES = (Q.Q4_0, Q.Q8_0)
 # words a lane loads per block: Q4_0 one word of each of its two rows, Q8_0 two
 LANE_WORDS = {Q.Q4_0: 2, Q.Q8_0: 4}
-# the exponent words, read from memory so ptxas keeps them in registers: (w & mask) | M is one LOP3 with one
-# immediate (two immediates are two instructions, NOTES "Q4_0 and Q8_0 decoded in the word")
-M43, MAGIC = 0x43004300, 0x4B000000  # bf16 pair 128, 128; f32 2^23
-TC_MAGIC = (M43, MAGIC | 0x80, MAGIC | 0x8000)
+# the exponent words are engine/matvec_gpu.magic_word's (MAGIC, MAGIC | 0x80, MAGIC | 0x8000, 0x43004300: two bf16
+# 128s), read from memory so ptxas keeps them in registers: (w & mask) | M is one LOP3 with one immediate (two
+# immediates are two instructions, NOTES "Q4_0 and Q8_0 decoded in the word")
 
 
 def tc_supported(ggml_type: int, rows: int, cols: int) -> bool:
     return ggml_type in TYPES and rows % 16 == 0 and cols % 32 == 0
+
+
+def tc_wanted(device: str, ggml_type: int, rows: int, cols: int) -> bool:
+    """Whether a weight loads in the tensor-core layout: MESH_GPU_MV=tc (opt-in until the H200 says it is faster at
+    1 and 16 columns), a CUDA device (or the PYTHON device, which emulates CUDA's MMA: the tests), a type it decodes."""
+    return os.environ.get("MESH_GPU_MV") == "tc" and device.split(":")[0] in ("CUDA", "PYTHON") \
+        and tc_supported(ggml_type, rows, cols)
+
+
+def tc_shapes(ggml_type: int, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes `tc_repack` gives a (rows, cols) weight: words (rows/16, blocks, 32, LANE_WORDS) uint32, scales
+    (rows/16, blocks, 8, 2) float16."""
+    return (rows // 16, cols // 32, 32, LANE_WORDS[ggml_type]), (rows // 16, cols // 32, 8, 2)
 
 
 def tc_repack(raw: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,32 +93,24 @@ def tc_unpack(words: np.ndarray, scales: np.ndarray, ggml_type: int) -> np.ndarr
     return np.concatenate([d, q], axis=-1).reshape(T * 16, -1)
 
 
-_MAGIC: dict[str, Tensor] = {}
-
-
-def tc_magic(device: str) -> Tensor:
-    """The decode's exponent words on `device` (TC_MAGIC, uint32), written straight into their buffer."""
-    if device not in _MAGIC:
-        buf = Buffer(device, len(TC_MAGIC), U32).allocate()
-        Device[buf.device].allocator._copyin(buf._buf, memoryview(np.array(TC_MAGIC, np.uint32).view(np.uint8)))
-        _MAGIC[device] = Tensor(UOp.from_buffer(buf))
-    return _MAGIC[device]
-
-
 SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 1.1B and 8B shapes)
 WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
 
 
 def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int, bool]:
     """(S, R, shared): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
-    overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid and fit shared memory (a warp's x
-    pieces serve its R tiles; R changes no sum), and whether x is split once into shared memory (`shared_split`),
-    which takes precedence over a larger R."""
-    most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
+    overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid (MESH_GPU_TC_WARPS overrides) and
+    fit shared memory (a warp's x pieces serve its R tiles; R changes no sum), and whether x is split once into shared
+    memory (`shared_split`), which takes precedence over a larger R."""
+    # rows too long for x's pieces in shared memory (the 8B ffn_down's 14336): twice the warps over a row's blocks,
+    # so a warp can take 2 tiles and split its x in registers once for both (a choice from the matrix alone)
+    long = not shared_split(1, nb * 32, SPLIT, 1)
+    most = int(os.environ.get("MESH_GPU_TC_SPLIT", 2 * SPLIT if long else SPLIT))
+    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
     fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= SHARED_BYTES
-            and (tiles // d * S >= WARPS or d == 1)]
+            and (tiles // d * S >= warps or d == 1)]
     shared = [d for d in fits if shared_split(n, nb * 32, S, d)]
     return (S, max(shared), True) if shared else (S, max(fits), False)
 
@@ -148,7 +151,7 @@ def _lane_order(ggml_type: int, k: UOp) -> UOp:
 def _decode(ggml_type: int, words: list[UOp], magic: UOp) -> list[list[list[UOp]]]:
     """A values as bf16 [mma][row half h][j] (j: the 4 k slots of `_k_slots`) from the lane's words."""
     if ggml_type == Q.Q4_0:
-        m43 = magic[0]
+        m43 = magic[3]
         out = [[[None] * 4 for _ in range(2)] for _ in range(2)]
         for h in range(2):
             w = words[h]
@@ -182,12 +185,19 @@ def _pieces(v: UOp) -> list[UOp]:
     return [_bf(lo, True), _bf(mid, True), _bf(hi, True)]
 
 
-def tc_matvec_kernel(name: str, ggml_type: int):
+def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, residual: bool = False):
     """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
-    x (N, cols) f32, tc_magic())."""
-    def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp) -> UOp:
+    x (N, cols) f32, magic_word(), [norm weight (cols,) f32], [residual (N, rows) f32]). With `norm` (eps) x is
+    RMS-normalized by the weight (x * w split into pieces, the output times 1 / sqrt(mean(x^2) + eps), as the CUDA-core
+    kernel does); with `residual` it is added to the output."""
+    def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         T, nb, _, LW = words.shape
         N = x.shape[0]
+        norm_w = extra[0] if norm is not None else None
+        res = extra[-1] if residual else None
+
+        def xin(n: UOp, k: UOp) -> UOp:
+            return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
         S, R, shared = tc_layout(T, nb, N)
         NT = -(-N // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
@@ -220,14 +230,14 @@ def tc_matvec_kernel(name: str, ggml_type: int):
             v = (v < total).where(v, total - 1) if (-(-total // nthr)) * nthr > total else v
             vn, vk = v // C, v % C
             pos = vn * C + _lane_order(ggml_type, vk)
-            pcs = _pieces(x[vn, vk])
+            pcs = _pieces(xin(vn, vk))
             split = UOp.group(*[xs[p * total + pos].store(pcs[p]) for p in range(3)])
             split = split.end(kq) if total > nthr else split
             xs = xs.after(split)
             bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
                      for m in range(2)] for n in cols]
         else:
-            bvec = [[[_pieces(x[n, b * 32 + k]) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
+            bvec = [[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
         accs = []
         for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
             a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
@@ -261,8 +271,18 @@ def tc_matvec_kernel(name: str, ggml_type: int):
                     row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
                     parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
         parts = UOp.group(*parts)
+        nthr = 32 * S
+        if norm_w is not None:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ... in order
+            nr = UOp.range(N, 8)
+            kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
+            sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
+            sacc = sacc.after(tg, nr)[0].set(0.0)
+            xk = x[nr, kq2 * nthr + tid]
+            sacc = sacc[0].set(sacc.after(kq2)[0] + xk * xk, end=kq2)[0]
+            ssp = UOp.placeholder((N * nthr,), F32, 102, addrspace=AddrSpace.LOCAL)
+            ssp = ssp.after(ssp[nr * nthr + tid].store(sacc).end(nr))
         # then thread q of the block sums outputs q, q + 32 S, ... (row fastest) over s in order
-        total, nthr = RR * N, 32 * S
+        total = RR * N
         K = -(-total // nthr)
         q = tid
         kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
@@ -273,17 +293,32 @@ def tc_matvec_kernel(name: str, ggml_type: int):
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
         y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + col], end=si)[0]
+        if norm_w is not None:  # the column's squares: its 32 S partials in order
+            sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
+            qi = UOp.range(nthr, 10, AxisType.REDUCE)
+            sq = sq.after(tg, *((kk,) if K > 1 else ()), ssp)[0].set(0.0)
+            sq = sq[0].set(sq.after(qi)[0] + ssp[col * nthr + qi], end=qi)[0]
+            y = y * (sq * (1.0 / C) + norm).sqrt().reciprocal()
+        if res is not None:
+            y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        return st.sink(arg=KernelInfo(name=f"mvtc_{name}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
+        fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "")
+        return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel
 
 
-def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor) -> Tensor:
-    """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout (`tc_repack`)."""
+def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, norm: tuple[Tensor, float] | None = None,
+                residual: Tensor | None = None) -> Tensor:
+    """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout (`tc_repack`); `norm` (weight, eps) and
+    `residual` fused as in engine/quant.py's QuantWeight.matmul_t."""
+    from engine.matvec_gpu import magic_word
     T = words.shape[0]
     out = Tensor.empty(x.shape[0], T * 16, dtype=F32, device=words.device)
-    kern = tc_matvec_kernel(Q(ggml_type).name.lower(), ggml_type)
-    return Tensor.custom_kernel(out, words, scales, x.cast(F32).contiguous(), tc_magic(str(words.device)),
+    kern = tc_matvec_kernel(Q(ggml_type).name.lower(), ggml_type, None if norm is None else float(norm[1]),
+                            residual is not None)
+    extra = ([norm[0].cast(F32).contiguous()] if norm is not None else []) + \
+            ([residual.cast(F32).contiguous()] if residual is not None else [])
+    return Tensor.custom_kernel(out, words, scales, x.cast(F32).contiguous(), magic_word(str(words.device)), *extra,
                                 fxn=kern)[0]

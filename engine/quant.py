@@ -39,6 +39,7 @@ from .cpu_runner import core_index, cpu_threads
 
 from engine import quant_gemm
 from engine.matvec_gpu import gpu_matvec_kernel, magic_word
+from engine.matvec_gpu_tc import tc_matmul_t, tc_unpack
 
 F32 = dtypes.float32
 # byte offsets of each type's float16 fields inside its block; the remaining bytes keep their order
@@ -306,15 +307,18 @@ def unpack(rest: np.ndarray, halfs: np.ndarray, ggml_type: int) -> np.ndarray:
 
 @dataclass(slots=True)
 class QuantWeight:
-    """A 2-D weight (rows, cols) held as its GGUF blocks in the split, interleaved resident layout."""
+    """A 2-D weight (rows, cols) held as its GGUF blocks in the split, interleaved resident layout, or (layout "tc",
+    MESH_GPU_MV=tc on CUDA) in the tensor-core kernel's lane order (engine/matvec_gpu_tc.py `tc_repack`): rest the
+    quant words (rows // 16, blocks, 32, words a lane) uint32, halfs the scales (rows // 16, blocks, 8, 2) float16."""
     rest: Tensor  # (rows // il, blocks per row, rest bytes, il) uint8
     halfs: Tensor  # (rows // il, blocks per row, half fields, il) float16
     shape: tuple[int, int]
     ggml_type: int
+    layout: str = "blocks"
 
     @property
     def il(self) -> int:
-        return self.rest.shape[3]
+        return 16 if self.layout == "tc" else self.rest.shape[3]
 
     @property
     def nbytes(self) -> int:
@@ -325,6 +329,12 @@ class QuantWeight:
         """x (N, cols) @ weight.T -> (N, rows) float32, the blocks decoded inside the kernel. With `norm` (weight,
         eps) x is RMS-normalized first; with `glu` x is (N, 2 cols) [gate | up] and silu(gate) * up is used; with
         `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
+        if self.layout == "tc":  # the tensor-core kernel: the norm and the residual fused, silu(gate) * up before it
+            if glu:
+                C = x.shape[1] // 2
+                gate = x[:, :C].cast(F32)
+                x = gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[:, C:].cast(F32)
+            return tc_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, residual=residual)
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
         threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
@@ -354,6 +364,16 @@ class QuantWeight:
         """The raw GGUF bytes (len(rows), row bytes) of the given rows: each group of il rows they touch is copied
         out once and all of them are unpacked together (a prompt's embeddings: one unpack, not one per token)."""
         groups, where = np.unique(np.asarray(rows, dtype=np.int64) // self.il, return_inverse=True)
+        if self.layout == "tc":  # a tile's words and scales, unpacked by the tensor-core layout's inverse
+            _, nb, _, lw = self.rest.shape
+            raw = []
+            for g in groups.tolist():
+                wn, sn = nb * 32 * lw * 4, nb * 16 * 2
+                words = _read(self.rest, g * wn, wn).view(np.uint32).reshape(1, nb, 32, lw)
+                scales = _read(self.halfs, g * sn, sn).view(np.float16).reshape(1, nb, 8, 2)
+                raw.append(tc_unpack(words, scales, self.ggml_type))
+            raw = np.stack(raw)
+            return raw[where.reshape(-1), np.asarray(rows, dtype=np.int64) % 16]
         _, nb, n_rest, il = self.rest.shape
         n_halfs = self.halfs.shape[2]
         rest = np.empty((len(groups), nb, n_rest, il), np.uint8)
@@ -385,8 +405,9 @@ def concat(parts: list[QuantWeight]) -> QuantWeight | None:
     """One weight holding the rows of `parts` in order (q, k and v in one matmul), or None if they cannot share
     one layout (different types or interleave)."""
     first = parts[0]
-    if any((p.ggml_type, p.il, p.shape[1]) != (first.ggml_type, first.il, first.shape[1]) for p in parts):
+    if any((p.ggml_type, p.il, p.shape[1], p.layout) != (first.ggml_type, first.il, first.shape[1], first.layout)
+           for p in parts):
         return None
     rest = Tensor.cat(*[p.rest for p in parts], dim=0).contiguous().realize()
     halfs = Tensor.cat(*[p.halfs for p in parts], dim=0).contiguous().realize()
-    return QuantWeight(rest, halfs, (sum(p.shape[0] for p in parts), first.shape[1]), first.ggml_type)
+    return QuantWeight(rest, halfs, (sum(p.shape[0] for p in parts), first.shape[1]), first.ggml_type, first.layout)
