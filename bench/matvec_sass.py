@@ -40,8 +40,9 @@ def kernel_source(qtype: str, rows: int, cols: int, n: int, mode: str, tc: bool 
     if tc:  # engine/matvec_gpu_tc.py: its own layout and kernel
         from engine.matvec_gpu_tc import tc_matmul_t, tc_repack
         words, scales = tc_repack(blocks_of(qtype, rows, cols), Q[qtype])
+        kw = {"norm": (Tensor(np.ones(cols, np.float32), device="PYTHON"), 1e-5)} if mode == "norm" else {}
         out = tc_matmul_t(Tensor(words, device="PYTHON").realize(), Tensor(scales, device="PYTHON").realize(), Q[qtype],
-                          Tensor(np.zeros((n, cols), np.float32), device="PYTHON").realize())
+                          Tensor(np.zeros((n, cols), np.float32), device="PYTHON").realize(), **kw)
         lin, _ = out.linear_with_vars()
         ast = next(u for u in lin.toposort() if u.op is Ops.SINK and getattr(u.arg, "name", "").startswith("mvtc_"))
         prg = to_program(ast, CUDARenderer(Target.parse("CUDA:CUDA:sm_90"), use_nvcc=True))

@@ -93,6 +93,7 @@ def tc_unpack(words: np.ndarray, scales: np.ndarray, ggml_type: int) -> np.ndarr
     return np.concatenate([d, q], axis=-1).reshape(T * 16, -1)
 
 
+GROUP = 16  # columns a thread block takes (two column tiles of 8); more are groups on the grid
 SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 1.1B and 8B shapes)
 WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
 
@@ -198,15 +199,23 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
 
         def xin(n: UOp, k: UOp) -> UOp:
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
-        S, R, shared = tc_layout(T, nb, N)
-        NT = -(-N // 8)
+        # column groups of at most GROUP columns, a grid dimension (a prefill chunk: more columns than registers
+        # for their pieces and accumulators); a column's operations do not depend on its group
+        NG, NC = -(-N // GROUP), min(N, GROUP)
+        S, R, shared = tc_layout(T, nb, NC)
+        NT = -(-NC // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
         # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
         # and the MMA's fragments are defined by the lane number
         tid = UOp.special(32 * S, "lidx0")
         c, g, s = tid % 4, (tid // 4) % 8, tid // 32
         tg = UOp.special(T // R, "gidx0")  # R tiles a thread block
-        lanes = ()
+        gn = UOp.special(NG, "gidx1") if NG > 1 else None
+        lanes = () if gn is None else (gn,)
+
+        def column(local: UOp, bound: int) -> UOp:  # column `local` of this group, a column past N repeating N - 1
+            n = local if gn is None else gn * GROUP + local
+            return (n < N).where(n, N - 1) if NG * GROUP > N or bound > NC else n
         bi = UOp.range(nb // S, 4, AxisType.REDUCE)
         b = bi * S + s if S > 1 else bi
         lane = tid % 32
@@ -214,16 +223,13 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         # the same operations on the same values, so the same bits where it lands)
         slots = _k_slots(ggml_type, c)
         C = nb * 32
-        cols = []
-        for nt in range(NT):
-            n = nt * 8 + g
-            cols.append((n < N).where(n, N - 1) if N % 8 or NT * 8 > N else n)
+        cols = [column(nt * 8 + g, NT * 8) for nt in range(NT)]
         if shared:
             # few columns: the thread block splits x once into shared memory (xs[piece, n, position]) before the loop,
             # each value by one thread, in the order the lanes read it (`_lane_order`: a lane's 8 values of a block
             # contiguous), instead of every column group of every warp splitting the same x in registers. The same
             # `_pieces`, so the same bf16 values as the register split: a column's bits do not depend on the path
-            nthr, total = 32 * S, N * C
+            nthr, total = 32 * S, N * C  # shared: one group (N < 8)
             xs = UOp.placeholder((3 * total,), BF16, 101, addrspace=AddrSpace.LOCAL)
             kq = UOp.range(-(-total // nthr), 7) if total > nthr else UOp.const(0, tid.dtype)
             v = kq * nthr + tid
@@ -273,37 +279,38 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         parts = UOp.group(*parts)
         nthr = 32 * S
         if norm_w is not None:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ... in order
-            nr = UOp.range(N, 8)
+            nr = UOp.range(NC, 8)
             kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
             sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
-            sacc = sacc.after(tg, nr)[0].set(0.0)
-            xk = x[nr, kq2 * nthr + tid]
+            sacc = sacc.after(tg, *lanes, nr)[0].set(0.0)
+            xk = x[column(nr, NC), kq2 * nthr + tid]
             sacc = sacc[0].set(sacc.after(kq2)[0] + xk * xk, end=kq2)[0]
-            ssp = UOp.placeholder((N * nthr,), F32, 102, addrspace=AddrSpace.LOCAL)
+            ssp = UOp.placeholder((NC * nthr,), F32, 102, addrspace=AddrSpace.LOCAL)
             ssp = ssp.after(ssp[nr * nthr + tid].store(sacc).end(nr))
         # then thread q of the block sums outputs q, q + 32 S, ... (row fastest) over s in order
-        total = RR * N
+        total = RR * NC
         K = -(-total // nthr)
         q = tid
         kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
         o = kk * nthr + q
         o = (o < total).where(o, total - 1) if K * nthr > total else o
-        row, col = o % RR, o // RR
+        row, lcol = o % RR, o // RR
+        col = column(lcol, NC)
         acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
-        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + col], end=si)[0]
+        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + lcol], end=si)[0]
         if norm_w is not None:  # the column's squares: its 32 S partials in order
             sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
             qi = UOp.range(nthr, 10, AxisType.REDUCE)
-            sq = sq.after(tg, *((kk,) if K > 1 else ()), ssp)[0].set(0.0)
-            sq = sq[0].set(sq.after(qi)[0] + ssp[col * nthr + qi], end=qi)[0]
+            sq = sq.after(tg, *lanes, *((kk,) if K > 1 else ()), ssp)[0].set(0.0)
+            sq = sq[0].set(sq.after(qi)[0] + ssp[lcol * nthr + qi], end=qi)[0]
             y = y * (sq * (1.0 / C) + norm).sqrt().reciprocal()
         if res is not None:
             y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "")
+        fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel

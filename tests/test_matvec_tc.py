@@ -46,7 +46,8 @@ def test_the_repack_keeps_the_files_bytes(qtype):
 @pytest.mark.parametrize("qtype,rows,cols,n", [
     ("Q4_0", 32, 256, 1), ("Q8_0", 32, 256, 1),  # S = 8 warps over a row's blocks
     ("Q4_0", 48, 128, 3), ("Q8_0", 16, 704, 2),  # 3 tiles; 22 blocks (S = 2), as the 1.1B ffn_down's 176
-    ("Q8_0", 80, 128, 9), ("Q4_0", 64, 64, 16)])  # two column tiles (ragged, full)
+    ("Q8_0", 80, 128, 9), ("Q4_0", 64, 64, 16),  # two column tiles (ragged, full)
+    ("Q8_0", 32, 128, 37)])  # three groups of columns on the grid (a prefill chunk)
 def test_tc_matvec_against_float64(qtype, rows, cols, n):
     raw = _any_quants(qtype, rows, cols)
     x = np.random.default_rng(1).standard_normal((n, cols)).astype(np.float32)
@@ -97,14 +98,15 @@ def test_x_keeps_f32s_precision_and_range(qtype):
 
 @pytest.mark.parametrize("qtype,rows,cols", [("Q4_0", 32, 256), ("Q8_0", 48, 128)])
 def test_a_column_alone_and_in_any_batch_has_the_same_bits(qtype, rows, cols):
-    """The scheduler's contract: a column's output does not depend on the columns beside it. Batches of 16, 9 and
-    5 (full, ragged column tiles: a padding column repeats the last one) against each column alone."""
+    """The scheduler's contract: a column's output does not depend on the columns beside it. Batches of 20 (two
+    groups of columns on the grid), 16, 9 and 5 (full, ragged column tiles: a padding column repeats the last one)
+    against each column alone."""
     raw = _any_quants(qtype, rows, cols)
     w = _weight(raw, qtype)
-    x = np.random.default_rng(5).standard_normal((16, cols)).astype(np.float32)
-    alone = np.concatenate([_run(w, qtype, x[i:i + 1]) for i in range(16)])
-    for n in (16, 9, 5):
-        np.testing.assert_array_equal(_run(w, qtype, x[16 - n:]), alone[16 - n:])
+    x = np.random.default_rng(5).standard_normal((20, cols)).astype(np.float32)
+    alone = np.concatenate([_run(w, qtype, x[i:i + 1]) for i in range(20)])
+    for n in (20, 16, 9, 5):
+        np.testing.assert_array_equal(_run(w, qtype, x[20 - n:]), alone[20 - n:])
 
 
 def test_the_order_of_sums_is_the_matrixs():
