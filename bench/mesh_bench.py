@@ -29,7 +29,8 @@ the token. The unsharded worker's own to device, compute and from device are pri
 Peers run a CPU stage in their own process by default (engine/local_stage.py): their "to device" and "from device"
 are 0 and "to op" is ~0 when the step ran in the Link reader. `MESH_STAGE_IN_PEER=0 ... --ab MESH_STAGE_IN_PEER=1`
 compares against worker processes, `--ab MESH_STEP_IN_READER=0` against the op loop's step. The unsharded engine is
-always one worker process.
+always one worker process. The coordinator of each fleet runs in this process; `--ab MESH_HOT_SINK=0` sets its
+config (CoordConfig.hot_sink: the decode loop reads the sink hop itself, Link.pump) as well as the peers' env.
 """
 from __future__ import annotations
 
@@ -154,7 +155,9 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
     token = None if OPEN else secrets.token_urlsafe(24)     # sealed links, as a fleet runs them (--open: not)
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
                       webrtc_hops=rtc_hops, token=token and token.encode(),
-                      placement="memory")     # N equal stages on one box: the split's cost is what this measures
+                      placement="memory",     # N equal stages on one box: the split's cost is what this measures
+                      # the coordinator runs in this process: an --ab of MESH_HOT_SINK goes to its fleet's config
+                      hot_sink=extra_env.get("MESH_HOT_SINK", os.environ.get("MESH_HOT_SINK", "1")) != "0")
     coord = Coordinator(cfg)
     procs, died, logs = [], [], [Path(times_dir) / f"peer{i}.err" for i in range(peers)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

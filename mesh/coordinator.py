@@ -8,10 +8,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import sys
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -64,6 +65,9 @@ class CoordConfig:
     stage_warmup: int = 0              # decode widths every peer compiles at load (Load.warmup); 0: each peer's
                                        # own --warmup; -1: the widths the scheduler forms with n_slots over this chain
     placement: str = "speed"           # "speed": by the peers' measured speed (within memory); "memory": memory only
+    # the decode loop reads the sink hop's bytes itself while it waits for a token (Link.pump), instead of waking
+    # through the sink link's reader task; MESH_HOT_SINK=0 turns it off (A/B: bench/mesh_bench.py --ab)
+    hot_sink: bool = field(default_factory=lambda: os.environ.get("MESH_HOT_SINK", "1") != "0")
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
@@ -411,11 +415,14 @@ class Fleet:
                 raise FleetError(f"{m.name} is gone: {exc}") from None
 
 
-async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _sink_service(token, host: str, send_channel, *, sinks: set | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The return sink: a link like the others. Only a connection that passed the handshake can touch the session:
     one that fails it (garbage, a half handshake, a wrong token, a port scanner) is logged and dropped, and the
-    answer being streamed goes on. Only the end of an authenticated hop is reported to the session."""
+    answer being streamed goes on. Only the end of an authenticated hop is reported to the session. `sinks` holds
+    the authenticated sink links while they serve (the decode loop pumps the one it waits on)."""
     gate = PreAuthGate()
+    sinks = set() if sinks is None else sinks
 
     async def handler(stream):
         who = transport.remote_host(stream)
@@ -426,16 +433,11 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
                     authenticated = True
                     handshake.deadline = math.inf
                     link.take = functools.partial(_take_done, send_channel)
-                    while True:
-                        try:
-                            ev = await link.receive()
-                        except RemoteError as exc:   # the last stage failed a step: the session must hear it
-                            ev = proto.Error(exc.code, f"the last stage ({who}): {exc.reason}")
-                        if isinstance(ev, (proto.Done, proto.Error)):
-                            try:  # the decode turn: hand the answer over without a pass through the scheduler
-                                send_channel.send_nowait(ev)
-                            except trio.WouldBlock:
-                                await send_channel.send(ev)
+                    sinks.add(link)
+                    try:
+                        await _serve_sink(link, who, send_channel)
+                    finally:
+                        sinks.discard(link)
         except trio.TooSlowError:
             log.warning("sink: a connection from %s sent no handshake within %.0fs; dropped", who, HANDSHAKE_SECONDS)
         except (LinkError, proto.ProtoError, transport.TransportError) as exc:
@@ -445,6 +447,19 @@ async def _sink_service(token, host: str, send_channel, *, task_status=trio.TASK
             log.info("sink: hop from %s ended: %s", who, exc)
             await send_channel.send(_SinkEnded(f"the sink hop from {who} ended: {exc}"))
     await transport.serve_listener(host, 0, handler, task_status=task_status)
+
+
+async def _serve_sink(link, who: str, send_channel) -> None:
+    while True:
+        try:
+            ev = await link.receive()
+        except RemoteError as exc:   # the last stage failed a step: the session must hear it
+            ev = proto.Error(exc.code, f"the last stage ({who}): {exc.reason}")
+        if isinstance(ev, (proto.Done, proto.Error)):
+            try:  # the decode turn: hand the answer over without a pass through the scheduler
+                send_channel.send_nowait(ev)
+            except trio.WouldBlock:
+                await send_channel.send(ev)
 
 
 def _take_done(send_channel, ev) -> bool:
@@ -486,13 +501,22 @@ async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
     for m in fleet.members:
         watchers.start_soon(_report_loss, m, send)
     host = fleet.cfg.listen.rpartition(":")[0] or "0.0.0.0"
-    sink_port = await nursery.start(_sink_service, fleet.cfg.token, host, send)
+    sinks: set = set()
+    sink_port = await nursery.start(functools.partial(_sink_service, sinks=sinks), fleet.cfg.token, host, send)
     for k, m in enumerate(fleet.members):
         last = k == len(fleet.members) - 1
         await _wire_hop(fleet, k, f":{sink_port}" if last else fleet.members[k + 1].hop_addr, last)
 
     async def sink_receive() -> proto.Done:
-        ev = await receive.receive()
+        while True:     # the hot sink: while one sink hop serves, its bytes are read here, in the decode loop's task
+            try:
+                ev = receive.receive_nowait()
+                break
+            except trio.WouldBlock:
+                pass
+            if not (fleet.cfg.hot_sink and len(sinks) == 1 and await next(iter(sinks)).pump()):
+                ev = await receive.receive()
+                break
         if isinstance(ev, _SinkEnded):
             # Name the cause, not the symptom: when a middle stage dies, the hops behind it close, often before
             # the coordinator's own control link to the dead stage has failed. Give the watchers a heartbeat

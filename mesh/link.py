@@ -145,6 +145,7 @@ class Link:
         A link is hot for HOT_WINDOW after `take` consumed an event (a step computed in the reader); other sockets
         of the process wait at most HOT_BLOCK meanwhile. TCP streams only."""
         self.hot_reads = 0        # reads done by the hot wait (`hot`)
+        self._pumping = False     # a consumer runs the hot wait for this link now (`pump`)
         self.took = -math.inf     # CLOCK_MONOTONIC when `take` last consumed an event (what keeps a link hot)
         self.take: Callable[[proto.Event], bool] | None = None
         """Called by the reader for each flow-controlled event (not Error) that arrives while the queue is empty,
@@ -376,9 +377,7 @@ class Link:
                 data = await self._hot_receive() if self.hot else None
                 if data is None:
                     data = await self.stream.receive_some(RECEIVE_SIZE)
-                self.arrived = time.perf_counter()
-                self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
-                self._codec.receive_data(data)
+                self._received(data)
         except proto.ProtocolError as exc:
             self._fail(ProtocolViolation(exc.code, exc.reason), final=proto.Error(exc.code, exc.reason))
         except trio.BrokenResourceError as exc:
@@ -386,7 +385,34 @@ class Link:
         except trio.ClosedResourceError:
             self._fail(LinkClosed("link closed by this side"))
 
-    async def _hot_receive(self) -> bytes | None:
+    def _received(self, data: bytes) -> None:
+        self.arrived = time.perf_counter()
+        self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
+        self._codec.receive_data(data)
+
+    async def pump(self) -> bool:
+        """The hot wait (`hot`) run by the task that wants this link's next event, not by its reader: for a
+        consumer that gets its events from `take` (the coordinator's sink hands each Done to its decode loop).
+        While that consumer waits, the bytes are read by a blocking poll in its own task and handled here (decoded,
+        `take` called, anything else queued for `receive`), so the event reaches it without the reader task's
+        wake-up through trio's loop and the scheduler pass to the consumer. True: bytes were read and handled
+        (look again for the event); False: nothing read (the link is not hot now: no `take` for HOT_WINDOW, not a
+        TCP stream, something else of the thread is due, it failed): wait the usual way. The reader task stays
+        parked in trio's receive meanwhile and finds nothing to read, or reads what came later; a failure or EOF
+        found here is recorded as the reader would."""
+        if self._failure is not None:
+            return False
+        data = await self._hot_receive(pumped=True)
+        if data is None or self._failure is not None:
+            return False
+        try:
+            self._received(data)
+            self._drain()
+        except proto.ProtocolError as exc:
+            self._fail(ProtocolViolation(exc.code, exc.reason), final=proto.Error(exc.code, exc.reason))
+        return True
+
+    async def _hot_receive(self, pumped: bool = False) -> bytes | None:
         """The next bytes through a blocking poll of the socket while nothing else of this thread is due (`hot`),
         or None: not hot now (no step taken for HOT_WINDOW, a task that keeps running, not a socket) or the socket
         has something else to say (trio's receive reports it). Whenever a task is runnable, a deadline is due or
@@ -399,9 +425,11 @@ class Link:
         if not hasattr(select, "poll"):     # Windows: trio's own wait
             return None
         _HOT.add(self)
+        self._pumping = pumped
+        arrived = self.arrived
         others_ready = False
         try:
-            while self.hot and self._failure is None:
+            while (self.hot or pumped) and self._failure is None:
                 now = time.perf_counter()
                 fd = _socket_fd(self.stream)
                 if now - self.took >= HOT_WINDOW or fd is None or fd < 0:
@@ -414,14 +442,15 @@ class Link:
                     # a task that keeps running (another link's transfer) sends this read back to trio's own wait
                     with trio.move_on_after(HOT_BLOCK) as busy:
                         await trio.testing.wait_all_tasks_blocked()
-                    if busy.cancelled_caught:
-                        return None
+                    if busy.cancelled_caught or (pumped and self.arrived != arrived):
+                        return None     # (pumped: the reader read meanwhile; the consumer looks at what it got)
                     now = _PASSED = time.perf_counter()
                     stats = trio.lowlevel.current_statistics()
                     waits = _trio_waits()
                 block = min(HOT_WINDOW - (now - self.took), stats.seconds_to_next_deadline,
                             _PASSED + HOT_BLOCK - now if waits is None else HOT_WINDOW)
-                hot = {f for link in _HOT if link.hot and link._failure is None and now - link.took < HOT_WINDOW
+                hot = {f for link in _HOT if (link.hot or link._pumping) and link._failure is None
+                       and now - link.took < HOT_WINDOW
                        and (f := _socket_fd(link.stream)) is not None and f >= 0}
                 if block <= 0 or fd not in hot:
                     return None
@@ -446,6 +475,7 @@ class Link:
             return None
         finally:
             _HOT.discard(self)
+            self._pumping = False
 
     def _drain(self) -> bool:
         """Handle every buffered event; False once the link has ended."""

@@ -420,6 +420,44 @@ async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets
         b.hot = False
 
 
+async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch):
+    """`Link.pump`: a consumer fed by `take` (the coordinator's sink) reads the link's next bytes in its own task
+    by the hot wait while the reader task stays parked in trio's receive: events arrive in order and whole (what
+    the reader took meanwhile too), nothing is pumped before the link is hot (no `take` yet), and an ended link is
+    reported as the reader would (the pump says False, wait_failed names it)."""
+    monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
+    async with socket_link_pair() as (a, b), socket_link_pair() as (c, d):
+        got_in, got_out = trio.open_memory_channel(16)
+        b.take = lambda ev: (got_in.send_nowait(ev), True)[1]
+        assert not await b.pump()           # no event taken yet: not hot
+
+        async def next_event():
+            while True:
+                try:
+                    return got_out.receive_nowait()
+                except trio.WouldBlock:
+                    pass
+                if not await b.pump():
+                    return await got_out.receive()
+
+        with trio.fail_after(20):
+            await a.send(p.Ack(p.MsgType.LOAD, 0))
+            assert await next_event() == p.Ack(p.MsgType.LOAD, 0)
+            before = b.hot_reads
+            for i in range(1, 6):      # written without a checkpoint: b's reader task has not run since
+                assert a.send_nowait(p.Ack(p.MsgType.LOAD, i))
+                assert await next_event() == p.Ack(p.MsgType.LOAD, i)
+                await c.send(p.Ack(p.MsgType.VOCAB, i))         # the other link of the thread, between two pumps
+                assert await d.receive() == p.Ack(p.MsgType.VOCAB, i)
+            await a.send(p.ShipChunk(0, bytes(range(256)) * 4096))   # 1 MiB: several reads, joined whole
+            got = await next_event()
+            assert isinstance(got, p.ShipChunk) and bytes(got.data) == bytes(range(256)) * 4096
+            assert b.hot_reads >= before + 5    # read by the pump, not by the reader task
+            await a.aclose()
+            assert not await b.pump()
+            assert isinstance(await b.wait_failed(), link_mod.LinkClosed)
+
+
 async def test_the_hot_wait_watches_every_socket_trios_loop_waits_on():
     """`_trio_waits` reads trio's epoll waiters (trio internals: this fails when a trio upgrade changes them, and
     the hot wait would fall back to watching the hot links alone): a task waiting to read a socket is in it, and

@@ -9,6 +9,7 @@ all crosses the recorder.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from contextlib import AsyncExitStack
 
@@ -70,9 +71,9 @@ async def test_an_eavesdropper_on_every_link_learns_nothing(model, tmp_path, mon
     record: list[bytes] = []
     real_sink = coordinator._sink_service
 
-    async def recorded_sink(token, host, send, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def recorded_sink(token, host, send, *, task_status=trio.TASK_STATUS_IGNORED, **kw):
         async with trio.open_nursery() as n:
-            port = await n.start(real_sink, token, host, send)
+            port = await n.start(functools.partial(real_sink, **kw), token, host, send)
             await n.start(proxy, port, record)
             task_status.started(port)
     monkeypatch.setattr(coordinator, "_sink_service", recorded_sink)

@@ -2,6 +2,7 @@
 and re-join, and the error that ended it leaves as itself."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,9 @@ async def test_a_session_closes_its_sink_and_releases_its_members(model, monkeyp
     sinks: list[int] = []
     real_sink = coordinator._sink_service
 
-    async def recorded_sink(token, host, send, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def recorded_sink(token, host, send, *, task_status=trio.TASK_STATUS_IGNORED, **kw):
         async with trio.open_nursery() as n:
-            port = await n.start(real_sink, token, host, send)
+            port = await n.start(functools.partial(real_sink, **kw), token, host, send)
             sinks.append(port)
             task_status.started(port)
     monkeypatch.setattr(coordinator, "_sink_service", recorded_sink)
