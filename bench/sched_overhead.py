@@ -1,0 +1,241 @@
+"""The host's cost per decode step against the number of streams, with the device out of the picture.
+
+    .venv/bin/python bench/sched_overhead.py [--streams 1,4,8,16] [--steps 300] [--modes instant,worker]
+                                             [--consumers plain,api] [--rounds 3] [--base REV] [--profile N]
+
+Why: on the H200 a 16-column decode step is ~2 ms of GPU time; everything the host does per step that grows with
+the streams (the scheduler's bookkeeping, the pipeline, the worker's codec, each stream's token handling) runs
+serially between two steps, so 1 ms of it would cap 16 streams near 8x one.
+
+Modes (each n streams of an 8-token prompt decode together; the window is the last stream's first token to the
+first stream's last one, so only steps where all n decode count):
+- `instant`: the Scheduler driving a LocalPipeline whose stage answers at once, in this process (one trio
+  checkpoint, as the worker's reply wait; tokens a fixed function of the column): the scheduler, the pipeline and
+  the consumers alone.
+- `worker`: the same through a real worker process holding a tiny random model (3 layers, dim 64, CPU): the
+  worker client's codec, the doorbells, the child's record decode and the stage's host side; `host` subtracts
+  the child's own step time (StepDone.compute_ms) from the step's wall time.
+Consumers: `plain` (each stream appends its ids) or `api` (each token detokenized and stop-checked as the HTTP API
+does, `mesh/serve/openai_api._Text`, and formatted as its SSE chunk): the per-token work of a streamed answer
+without hypercorn.
+
+`--base REV`: the same bench on git revision REV (a detached worktree in /tmp), alternating with this tree round by
+round in one run: side-by-side before/after. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
+Prints us a step and us a column (the step's host time over its columns) per row, the median of the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(args) -> dict:
+    """One round of every row in this process (whichever tree PYTHONPATH points at); returns the figures."""
+    sys.path.insert(0, os.environ.get("SCHED_TREE", str(ROOT)))
+    import numpy as np
+    import trio
+
+    from common.values import Sampling
+    from mesh.pipeline import LocalPipeline
+    from mesh.scheduler import Request, Scheduler
+    from mesh.serve.openai_api import _Text, _sse
+    from tests.mesh_fixtures import write_tiny_chat_model
+    from engine.tokenizer import Tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="sched_overhead_"))
+    model = write_tiny_chat_model(tmp / "tiny.gguf", n_layers=3)
+    tok = Tokenizer.from_gguf(model)
+    vocab = tok.vocab_size if hasattr(tok, "vocab_size") else 256
+    n_slots = max(args.streams)
+    context = args.steps + 64
+
+    class Instant:
+        """A stage that answers at once: one checkpoint (the device's step, during which other tasks run), tokens a
+        function of the column. Keeps when each step went out and when its answer came back."""
+
+        def __init__(self):
+            self.compute_ms, self.sent, self.received = [], [], []
+
+        async def step(self, cols, hidden, sampling):
+            self.sent.append(time.monotonic())
+            await trio.lowlevel.checkpoint()
+            self.received.append(time.monotonic())
+            return np.array([(c.token * 7 + c.pos) % (vocab - 40) + 40 for c in cols if c.needs_logits], np.int32)
+
+        async def zero_slot(self, slot): pass
+        async def rollback(self, slot, pos): pass
+        async def block_table(self, slot, blocks): pass
+        async def reset(self): pass
+
+    class Timed:
+        """The worker client, keeping each step's own compute time (StepDone.compute_ms) and when its doorbell went
+        out and its answer came in."""
+
+        def __init__(self, w):
+            self.w, self.compute_ms, self.sent, self.received = w, [], [], []
+
+        async def step(self, cols, hidden, sampling):
+            out = await self.w.step_raw(cols, None, 0, 0, sampling)
+            self.compute_ms.append(out.compute_ms)
+            self.sent.append(out.sent_ms / 1e3)
+            self.received.append(out.received_ms / 1e3)
+            return out.array()
+
+        def __getattr__(self, name):
+            return getattr(self.w, name)
+
+    async def one(stage, n: int, consumer: str) -> dict:
+        pipe = LocalPipeline(stage)
+        sched = Scheduler(pipe, n_slots=n_slots, max_context=context, max_queue=n)
+        times: list[list[float]] = [[] for _ in range(n)]
+
+        async def consume(i: int) -> None:
+            req = Request(tuple(40 + (i * 13 + k) % (vocab - 40) for k in range(8)), args.steps, Sampling(),
+                          frozenset())
+            async with sched.open(req) as g:
+                if consumer == "plain":
+                    out = []
+                    async for t in g:
+                        out.append(t)
+                else:
+                    text, head = _Text(tok, ("\n\n\n\n",)), {"id": "chatcmpl-x", "object": "chat.completion.chunk",
+                                                             "created": 0, "model": "m"}
+                    async for t in g:
+                        piece = text.feed(t)
+                        if piece:
+                            _sse({**head, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                                       "finish_reason": None}]})
+            times[i] = g.token_times
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            for xs in (stage.compute_ms, stage.sent, stage.received):
+                xs.clear()
+            prof = getattr(args, "prof", None)
+            if prof is not None:
+                prof.enable()
+            async with trio.open_nursery() as clients:
+                for i in range(n):
+                    clients.start_soon(consume, i)
+            if prof is not None:
+                prof.disable()
+            nursery.cancel_scope.cancel()
+        ta, tb = max(t[0] for t in times), min(t[-1] for t in times)
+        steps = statistics.median(sum(1 for x in t if ta < x <= tb) for t in times)
+        wall_us = (tb - ta) / steps * 1e6
+        k = int(steps)
+        compute = stage.compute_ms[-k:] if stage.compute_ms else []
+        compute_us = statistics.mean(compute) * 1e3 if compute else 0.0
+        # the parent's critical path: a step's answer in -> the next step out (the window's steps only)
+        idx = [i for i in range(1, len(stage.sent)) if ta < stage.received[i - 1] <= tb]
+        gap_us = statistics.median(stage.sent[i] - stage.received[i - 1] for i in idx) * 1e6 if idx else 0.0
+        return {"wall_us": wall_us, "compute_us": compute_us, "host_us": wall_us - compute_us, "gap_us": gap_us}
+
+    async def main() -> dict:
+        res: dict = {}
+        for mode in args.modes:
+            if mode == "instant":
+                for consumer in args.consumers:
+                    for n in args.streams:
+                        res[f"{mode}/{consumer}/{n}"] = await one(Instant(), n, consumer)
+            else:
+                from engine.worker import open_worker
+                env = dict(os.environ, MESH_TEST_SLOW_MS_PER_LAYER=str(args.device_ms / 3)) if args.device_ms \
+                    else None
+                async with open_worker(device="CPU", env=env) as w:
+                    await w.load(model, 0, 3, n_slots=n_slots, max_context=context, warmup=n_slots)
+                    stage = Timed(w)
+                    await one(stage, 1, "plain")        # first steps of each shape out of the way
+                    for consumer in args.consumers:
+                        for n in args.streams:
+                            res[f"{mode}/{consumer}/{n}"] = await one(stage, n, consumer)
+        return res
+
+    return trio.run(main)
+
+
+def profile(args) -> None:
+    import cProfile
+    import pstats
+    args.streams, args.consumers = [args.profile], args.consumers[:1]
+    args.prof = pr = cProfile.Profile()
+    child(args)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
+def base_tree(rev: str) -> Path:
+    sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", rev], text=True).strip()
+    path = Path(tempfile.gettempdir()) / f"sched_overhead_{sha[:12]}"
+    if not path.exists():
+        subprocess.check_call(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
+
+
+def run_round(tree: Path, argv: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), SCHED_TREE=str(tree))
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps every stream takes")
+    ap.add_argument("--modes", default="instant,worker")
+    ap.add_argument("--consumers", default="plain,api")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="worker mode: every step also sleeps this long in the child (a GPU step's time; the "
+                         "host's work that overlaps it is hidden, what does not is counted)")
+    ap.add_argument("--base", default=None, help="git revision to measure side by side with this tree")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the first mode and consumer at this many streams")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    raw = sys.argv[1:]
+    args.streams = [int(x) for x in args.streams.split(",")]
+    args.modes, args.consumers = args.modes.split(","), args.consumers.split(",")
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    if args.profile:
+        profile(args)
+        return
+    trees = {"this": ROOT}
+    if args.base:
+        trees = {f"base {args.base}": base_tree(args.base), "this": ROOT}
+    print(f"streams {args.streams}, {args.steps} steps, rounds {args.rounds}, cores {os.cpu_count()}, "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    got: dict[str, list[dict]] = {t: [] for t in trees}
+    for r in range(args.rounds):
+        for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            got[t].append(run_round(trees[t], raw))
+    keys = list(got["this"][0])
+    print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}" for t in trees)
+          + ("  this/base host, gap" if args.base else ""))
+    for k in keys:
+        n = int(k.rsplit("/", 1)[1])
+        cells, meds = "", []
+        for t in trees:
+            host = statistics.median(x[k]["host_us"] for x in got[t])
+            gap = statistics.median(x[k]["gap_us"] for x in got[t])
+            meds.append((host, gap))
+            cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}"
+        ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if args.base else ""
+        print(f"{k:<22s}{cells}{ratio}", flush=True)
+    print(f"load {os.getloadavg()[0]:.2f}. host: the step's wall time over the window (worker rows: less the child's "
+          f"compute_ms); gap: median time from a step's answer in to the next step out (the host's critical path)")
+
+
+if __name__ == "__main__":
+    main()
