@@ -20,7 +20,7 @@ does, `mesh/serve/openai_api._Text`, and formatted as its SSE chunk): the per-to
 without hypercorn.
 
 `--base REV`: the same bench on git revision REV (a detached worktree in /tmp), alternating with this tree round by
-round in one run: side-by-side before/after. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
+round in one run: side-by-side before/after. `--ab-env VAR=VALUE`: the same, this tree with and without a setting. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
 Prints us a step and us a column (the step's host time over its columns) per row, the median of the rounds.
 """
 from __future__ import annotations
@@ -83,12 +83,20 @@ def child(args) -> dict:
         def __init__(self, w):
             self.w, self.compute_ms, self.sent, self.received = w, [], [], []
 
-        async def step(self, cols, hidden, sampling):
-            out = await self.w.step_raw(cols, None, 0, 0, sampling)
+        def _keep(self, out):
             self.compute_ms.append(out.compute_ms)
             self.sent.append(out.sent_ms / 1e3)
             self.received.append(out.received_ms / 1e3)
-            return out.array()
+            return out
+
+        async def step(self, cols, hidden, sampling):
+            return self._keep(await self.w.step_raw(cols, None, 0, 0, sampling)).array()
+
+        def post_step_nowait(self, *a):       # a tree whose LocalPipeline posts at submit
+            return self.w.post_step_nowait(*a)
+
+        async def step_posted(self, posted):
+            return self._keep(await self.w.step_posted(posted))
 
         def __getattr__(self, name):
             return getattr(self.w, name)
@@ -181,8 +189,8 @@ def base_tree(rev: str) -> Path:
     return path
 
 
-def run_round(tree: Path, argv: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), SCHED_TREE=str(tree))
+def run_round(tree: Path, argv: list[str], extra: dict[str, str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), SCHED_TREE=str(tree), **extra)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -199,6 +207,8 @@ def main() -> None:
                     help="worker mode: every step also sleeps this long in the child (a GPU step's time; the "
                          "host's work that overlaps it is hidden, what does not is counted)")
     ap.add_argument("--base", default=None, help="git revision to measure side by side with this tree")
+    ap.add_argument("--ab-env", default=None, help="VAR=VALUE: this tree with that setting, side by side with it "
+                                                       "without (e.g. MESH_SCHED_SERIAL=0)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the first mode and consumer at this many streams")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,18 +221,21 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
-    trees = {"this": ROOT}
+    trees = {"this": (ROOT, {})}
     if args.base:
-        trees = {f"base {args.base}": base_tree(args.base), "this": ROOT}
+        trees = {f"base {args.base}": (base_tree(args.base), {}), "this": (ROOT, {})}
+    elif args.ab_env:
+        var, _, val = args.ab_env.partition("=")
+        trees = {args.ab_env: (ROOT, {var: val}), "this": (ROOT, {})}
     print(f"streams {args.streams}, {args.steps} steps, rounds {args.rounds}, cores {os.cpu_count()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     got: dict[str, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            got[t].append(run_round(trees[t], raw))
+            got[t].append(run_round(trees[t][0], raw, trees[t][1]))
     keys = list(got["this"][0])
     print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}" for t in trees)
-          + ("  this/base host, gap" if args.base else ""))
+          + ("  this/base host, gap" if len(trees) > 1 else ""))
     for k in keys:
         n = int(k.rsplit("/", 1)[1])
         cells, meds = "", []
@@ -231,7 +244,7 @@ def main() -> None:
             gap = statistics.median(x[k]["gap_us"] for x in got[t])
             meds.append((host, gap))
             cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}"
-        ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if args.base else ""
+        ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if len(trees) > 1 else ""
         print(f"{k:<22s}{cells}{ratio}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}. host: the step's wall time over the window (worker rows: less the child's "
           f"compute_ms); gap: median time from a step's answer in to the next step out (the host's critical path)")

@@ -165,11 +165,30 @@ class ChainPipeline(Pipeline):
 
 
 class LocalPipeline(_Deferred):
-    """Every layer in one stage of our own (a worker holding the whole model): the unsharded reference."""
+    """Every layer in one stage of our own (a worker holding the whole model): the unsharded reference.
+
+    A step goes to a worker at `submit` when it can go at once (`post_step_nowait`: the record written, the
+    doorbell rung, no pass through trio's scheduler), so the caller's work between `submit` and `collect` (the
+    scheduler handing the last step's tokens to its consumers) overlaps the step. Otherwise (another command in
+    flight, a stage that posts nothing) the step runs at `collect`, as in any deferred pipeline. A posted step holds
+    the worker until it is collected: in-band ops wait for it, so the caller collects before it sends one."""
 
     def __init__(self, stage: LocalStage):
         super().__init__(None, ["local"])
         self.stage = stage
+        self._posted: dict[int, object] = {}
+
+    async def submit(self, cols, sampling) -> int:
+        post = getattr(self.stage, "post_step_nowait", None)
+        if post is None:
+            return await super().submit(cols, sampling)
+        sampling = samplings_for(sampling, cols)
+        group = self.next_group()
+        try:
+            self._posted[group] = post(cols, None, 0, 0, sampling)
+        except trio.WouldBlock:
+            self._pending[group] = (cols, sampling)
+        return group
 
     async def _send_inband(self, ev) -> None:
         if isinstance(ev, proto.ZeroSlot):
@@ -182,6 +201,9 @@ class LocalPipeline(_Deferred):
             await self.stage.reset()
 
     async def collect(self, group: int) -> tuple[int, ...]:
+        posted = self._posted.pop(group, None)
+        if posted is not None:
+            return tuple((await self.stage.step_posted(posted)).array().tolist())
         cols, sampling = self._pending.pop(group)
         return tuple(int(t) for t in await self.stage.step(cols, None, sampling))
 

@@ -19,6 +19,7 @@ clock and awaits nothing; `Scheduler` drives it with one submitting task and one
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -408,6 +409,8 @@ class Scheduler:
         blocks = _Blocks(kv_blocks, kv_block_size) if kv_blocks else None
         self._core = _Core(slots=range(max_seqs), blocks=blocks, max_queue=max_queue, depth=max(1, micro_batches),
                            prefill_chunk=prefill_chunk)
+        # MESH_SCHED_SERIAL=0: the two-task driver at every depth (an A/B switch for bench/serve_bench.py on a device)
+        self._serial = self._core.depth == 1 and os.environ.get("MESH_SCHED_SERIAL", "1") != "0"
         self._wake = trio.Event()
         self._running = False
         self._stopped: SchedulerStopped | None = None
@@ -470,6 +473,10 @@ class Scheduler:
         self._running = True
         reason = "the scheduler was stopped"
         try:
+            if self._serial:        # one step at a time: submit, collect and apply in one task
+                task_status.started()
+                await self._serial_loop()
+                return
             send, receive = trio.open_memory_channel(math.inf)
             with single_errors():
                 async with trio.open_nursery() as nursery:
@@ -501,6 +508,65 @@ class Scheduler:
                 seq.gen._fail(self._stopped)
         c.queue.clear()
 
+    def _set_idle(self) -> None:
+        if not (self._core.active or self._core.queue or self._in_flight):
+            self._idle.set()
+        elif self._idle.is_set():
+            self._idle = trio.Event()
+
+    async def _serial_loop(self) -> None:
+        """The driver when one micro-batch is in flight at a time (hub and local pipelines, a one-stage chain). A
+        step's tokens are applied to the bookkeeping at once, and the next step is formed and submitted before they
+        are handed to the consumers: no pass through trio's scheduler between a step's answer and the next step,
+        and the consumers' work (their wake-ups, detokenizing, the HTTP chunk of every stream) overlaps the device's
+        step instead of standing between two steps (NOTES "Scheduler", "The host's cost per step"). A pipeline that
+        sends a step at `submit` (a chain, a worker's posted step) has it on its way before the hand-over; one
+        that computes at `collect` still skips the scheduler's passes."""
+        core = self._core
+        handed: list = []       # the last step's (seq, token, reason), for the consumers once the next step is out
+
+        def hand_over() -> None:
+            for seq, tok, reason in handed:
+                seq.gen._emit(tok, reason)
+            handed.clear()
+
+        if core.blocks is not None:     # tables come from here only: clear what an earlier session left held
+            await self.pipe.inband(proto.Reset())
+        try:
+            while True:
+                self._wake = trio.Event()
+                released = core.releasable()     # ended, nothing in flight: clear the slot, then reuse it
+                if released:
+                    hand_over()
+                for seq in released:
+                    await self.pipe.inband(proto.ZeroSlot(seq.slot))
+                    core.release(seq)
+                core.admit()
+                batch = core.form()
+                if batch is None:
+                    hand_over()
+                    self._set_idle()
+                    seq = released = None
+                    await self._wake.wait()
+                    continue
+                self._in_flight = 1
+                self._set_idle()
+                tables = core.tables(batch)
+                if tables:
+                    hand_over()
+                for slot, table in tables:     # blocks the step writes, ahead of it
+                    await self.pipe.inband(proto.BlockTable(slot, table))
+                batch.submitted = time.monotonic()
+                group = await self.pipe.submit(batch.cols, batch.sampling)
+                hand_over()
+                tokens = await self.pipe.collect(group)
+                self._in_flight = 0
+                self._step_ms.append((time.monotonic() - batch.submitted) * 1000)
+                handed = core.apply(batch, tokens)
+                seq = batch = tokens = released = None  # nothing of this step stays alive while the next is awaited
+        finally:
+            hand_over()     # tokens already computed reach their consumers, whatever ends the loop
+
     async def _submit_loop(self, send) -> None:
         core = self._core
         if core.blocks is not None:     # tables come from here only: clear what an earlier session left held
@@ -518,10 +584,7 @@ class Scheduler:
                 group = await self.pipe.submit(batch.cols, batch.sampling)
                 self._in_flight += 1
                 send.send_nowait((group, batch))
-            if not (core.active or core.queue or self._in_flight):
-                self._idle.set()
-            elif self._idle.is_set():
-                self._idle = trio.Event()
+            self._set_idle()
             seq = batch = None      # a loop variable would keep an ended sequence (and its client's) alive meanwhile
             await self._wake.wait()
 

@@ -124,7 +124,10 @@ async def test_eight_streams_unsharded_equal_each_stream_alone(local):
     pipe = LocalPipeline(local)
     reqs = streams()
     together, peak = await run_together(pipe, reqs)
-    assert peak >= 6                                  # they really shared steps
+    # they really shared steps: 5-6 of the 8 at once. Each arrival waits for the previous stream's first token,
+    # which reaches its consumer once the next step is on its way (the one-task driver), so each arrival joins a
+    # step later than the scheduler could take it; 7 when consumers ran before the next step was formed
+    assert peak >= 5
     for i, req in enumerate(reqs):
         assert together[i] == await run_alone(pipe, req), f"stream {i}"
     assert local.stage._lengths[:N_SLOTS] == [0] * N_SLOTS   # every slot zeroed after use
