@@ -262,11 +262,19 @@ def _part_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: in
     """A thread block per (column, head, chunk of CH positions), a thread per value of head_dim. The block's CH keys
     and values are loaded at once (each thread its own element of every row: a warp reads whole rows), the CH dot
     products are summed through shared memory (thread d sums segment d // CH of position d % CH, then each thread
-    adds the Hd / CH segments of every position in order), and every thread computes the chunk's max m, the
-    probabilities p_t = exp(s_t - m) and l = sum p_t itself (same operations, same order: the same values), then
-    o[d] = sum_t p_t v[t, d]. Positions past the column's own are exact zeros (a `where`): a chunk holding none of
-    them gives m = -inf, l = 0, o = 0, which the combine adds as exact zeros. So nothing a column gets depends on
-    ctx or on the other columns of the step."""
+    adds the Hd / CH segments of every position in order), and every thread computes the chunk's max m of the raw
+    dot products, the probabilities p_t = exp2((s_t - m) scale log2 e) and l = sum p_t itself (same operations,
+    same order: the same values), then o[d] = sum_t p_t v[t, d]. Positions past the column's own are exact zeros:
+    a chunk holding none of them gives m = -inf, l = 0, o = 0, which the combine adds as exact zeros.
+
+    Batch invariance needs more than sums in a fixed order: the arithmetic must not depend on which masks the
+    compiler can prove. With one run and max_context <= CH (one chunk) `t <= pos` is provably true for t = 0, so a
+    mask on a term (`o + where(ok, p v, 0)`) folds to `o + p v` and becomes one fused multiply-add (PYTHON's
+    MULACC, nvrtc's contraction), while beside another run the where stays and the product is rounded on its own:
+    an ulp apart (seventh session). So no where sits between a multiply and the add it feeds: the mask goes on the
+    values (v_t masked to 0; p_t = exp2(-inf) = 0 needs none), and the scale is applied after the subtraction of
+    the max, not before it (tot * scale - m would contract the same way). Whatever folds, the chain of multiplies
+    and adds keeps its shape. So nothing a column gets depends on ctx or on the other columns of the step."""
     G, W, NS, KB = H // KvH, KvH * Hd, Hd // CH, CH // B
 
     def kernel(po: UOp, pm: UOp, pl: UOp, q: UOp, pk: UOp, pv: UOp, table: UOp) -> UOp:
@@ -295,28 +303,32 @@ def _part_kernel(runs: Sequence[Run], ctx: UOp, B: int, H: int, KvH: int, Hd: in
         st2 = sums[d].store(seg[0])  # d = sg * CH + jr
         ok = [ch * CH + j <= pos for j in range(CH)]
         s = []
-        for j in range(CH):
+        for j in range(CH):  # raw dot products: no multiply here for the max's subtraction to fuse with
             tot = sums.after(st2)[j]
             for g in range(1, NS):
                 tot = tot + sums.after(st2)[g * CH + j]
-            s.append(ok[j].where(tot * scale, float("-inf")))
+            s.append(ok[j].where(tot, float("-inf")))
         m = s[0]
         for sj in s[1:]:
             m = m.maximum(sj)
-        p = [ok[j].where(((s[j] - m) * LOG2E).exp2(), 0.0) for j in range(CH)]
-        l, o = p[0], ok[0].where(p[0] * vals[0], 0.0)
+        # p_t needs no mask of its own: a masked s_t is -inf, exp2(-inf) = 0 (m is floored to a finite value, so a
+        # chunk past the column's position gives 0, not -inf - -inf). The values are masked as operands (trash rows
+        # may hold anything), never between the multiply and the add it feeds
+        mf = m.maximum(-3.0e38)
+        p = [((s[j] - mf) * (scale * LOG2E)).exp2() for j in range(CH)]
+        l, o = p[0], p[0] * ok[0].where(vals[0], 0.0)
         for j in range(1, CH):
             l = l + p[j]
-            o = o + ok[j].where(p[j] * vals[j], 0.0)
+            o = o + p[j] * ok[j].where(vals[j], 0.0)
         first = d < 1
         out = UOp.group(po[c, h, ch, d].store(o), pm[c, h, ch.valid(first)].store(m), pl[c, h, ch.valid(first)].store(l))
         return out.end(d, ch, h, c).sink(arg=KernelInfo(name=f"attn_part_{tag}", opts_to_apply=()))
     return kernel
 
 
-def _combine_kernel(ctx: UOp, H: int, Hd: int, tag: str):
-    """out[c, h, d] = sum_i o_i[d] w_i / sum_i l_i w_i with w_i = exp(m_i - max m), over the chunks in order (a
-    thread block per (column, head), a thread per value)."""
+def _combine_kernel(ctx: UOp, H: int, Hd: int, scale: float, tag: str):
+    """out[c, h, d] = sum_i o_i[d] w_i / sum_i l_i w_i with w_i = exp((m_i - max m) scale), over the chunks in order
+    (a thread block per (column, head), a thread per value; m_i are the parts' raw dot-product maxima)."""
     def kernel(o: UOp, po: UOp, pm: UOp, pl: UOp) -> UOp:
         N = o.shape[0]
         c, h = UOp.range(N, 0, AxisType.GLOBAL), UOp.range(H, 1, AxisType.GLOBAL)
@@ -326,7 +338,7 @@ def _combine_kernel(ctx: UOp, H: int, Hd: int, tag: str):
         mx = mx.after(c, h, d)[0].set(float("-inf"))
         mx = mx[0].set(mx.after(i1)[0].maximum(pm[c, h, i1]), end=i1)
         i2 = UOp.range(_chunks(ctx), 4, AxisType.REDUCE)
-        w = ((pm[c, h, i2] - mx[0]) * LOG2E).exp2()
+        w = ((pm[c, h, i2] - mx[0]) * (scale * LOG2E)).exp2()
         lt = UOp.placeholder((1,), F32, 1, addrspace=AddrSpace.REG)
         ot = UOp.placeholder((1,), F32, 2, addrspace=AddrSpace.REG)
         lt = lt.after(mx)[0].set(0.0)
@@ -414,7 +426,7 @@ def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, ru
         po, pm, pl = Tensor.custom_kernel(po, pm, pl, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
                                           fxn=_part_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, tag))[:3]
         o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
-        return Tensor.custom_kernel(o, po, pm, pl, fxn=_combine_kernel(ctx, H, Hd, tag))[0]
+        return Tensor.custom_kernel(o, po, pm, pl, fxn=_combine_kernel(ctx, H, Hd, scale, tag))[0]
     s = Tensor.empty(N, H, -(-max_context // block_size) * block_size, dtype=F32, device=q.device)  # whole blocks
     s = Tensor.custom_kernel(s, q, pool_k.reshape(-1), table,
                              fxn=_scores_kernel(runs, ctx, block_size, H, n_kv_heads, Hd, scale, gpu, tag))[0]

@@ -14,12 +14,12 @@ DEV = os.environ.get("MESH_GPU_TEST_DEV", "PYTHON")
 B, MAXC = 16, 128
 
 
-def attend(q, pk, pv, table, runs, H, KvH, Hd):
+def attend(q, pk, pv, table, runs, H, KvH, Hd, maxc=MAXC):
     """runs: (slot, pos, n) each; q (N, H * Hd). Returns (N, H * Hd) from a jitted step, as a stage runs it."""
     N = q.shape[0]
     slots = [UOp.variable(f"slot{i}", 0, table.shape[0] - 1) for i in range(len(runs))]
-    poss = [UOp.variable(f"pos{i}", 0, MAXC - 1) for i in range(len(runs))]
-    ctx = UOp.variable("ctx", 0, MAXC)
+    poss = [UOp.variable(f"pos{i}", 0, maxc - 1) for i in range(len(runs))]
+    ctx = UOp.variable("ctx", 0, maxc)
     shape_runs, col = [], 0
     for _, _, n in runs:
         shape_runs.append((col, n))
@@ -28,7 +28,7 @@ def attend(q, pk, pv, table, runs, H, KvH, Hd):
     def step(q_, pk_, pv_, tb_, *binds):
         k = len(runs)
         rr = [Run(c, n, binds[i], binds[k + i]) for i, (c, n) in enumerate(shape_runs)]
-        return paged_attention(q_, pk_, pv_, tb_, rr, binds[2 * k], MAXC, B, H, KvH, Hd, Hd ** -0.5).realize()
+        return paged_attention(q_, pk_, pv_, tb_, rr, binds[2 * k], maxc, B, H, KvH, Hd, Hd ** -0.5).realize()
 
     fn = TinyJit(step)
     fn.cnt = 1
@@ -55,15 +55,15 @@ def reference(q, pk, pv, table, runs, H, KvH, Hd):
     return out
 
 
-def data(H, KvH, Hd, n_cols, slots=3, seed=0):
+def data(H, KvH, Hd, n_cols, slots=3, seed=0, maxc=MAXC):
     rng = np.random.default_rng(seed)
-    nblocks = slots * MAXC // B
+    nblocks = slots * maxc // B
     rows = (nblocks + 1) * B
     pk = rng.standard_normal((rows, KvH * Hd)).astype(np.float32)
     pv = rng.standard_normal((rows, KvH * Hd)).astype(np.float32)
     pk[-B:] = np.nan  # the trash block: read past a sequence's blocks, never allowed to leak
     pv[-B:] = np.nan
-    table = rng.permutation(nblocks).astype(np.int32).reshape(slots, MAXC // B)
+    table = rng.permutation(nblocks).astype(np.int32).reshape(slots, maxc // B)
     q = rng.standard_normal((n_cols, (H + 2 * KvH) * Hd)).astype(np.float32)  # the joined q|k|v rows of a step
     return q, pk, pv, table
 
@@ -85,6 +85,23 @@ def test_a_column_gets_the_same_bits_next_to_any_others():
     alone = attend(q[:1], pk, pv, table, [(0, 20, 1)], H, KvH, Hd)
     crowd = attend(q[[1, 0, 2]], pk, pv, table, [(1, 100, 1), (0, 20, 1), (2, 127, 1)], H, KvH, Hd)
     assert np.array_equal(alone[0], crowd[1])
+
+
+def test_the_same_bits_when_the_context_is_one_chunk():
+    """max_context <= CH: the chunk index is the constant 0, so for a step of one run `t <= pos` is provably true at
+    t = 0 and tinygrad folds that mask away; beside another run (pos is then a where over the runs) it cannot. A
+    mask between a multiply and its add made the two compile to different roundings (a fused multiply-add against
+    a rounded product: an ulp apart on the PYTHON device, and nvrtc contracts the same way), where the kernel's
+    arithmetic must keep its shape whatever folds. The case above (max_context 128, four chunks) never folds."""
+    H, KvH, Hd, maxc = 2, 1, 32, 32
+    q, pk, pv, table = data(H, KvH, Hd, 3, seed=5, maxc=maxc)
+    assert maxc <= CH
+    alone = attend(q[:1], pk, pv, table, [(0, 3, 1)], H, KvH, Hd, maxc)
+    # beside a shorter sequence, after a longer one (ctx 29), after a run of two
+    for crowd_runs, rows in (([(0, 3, 1), (1, 2, 1)], [0, 1]), ([(1, 28, 1), (0, 3, 1)], [1, 0]),
+                             ([(2, 0, 2), (0, 3, 1)], [1, 2, 0])):
+        crowd = attend(q[rows], pk, pv, table, crowd_runs, H, KvH, Hd, maxc)
+        assert np.array_equal(alone[0], crowd[rows.index(0)]), crowd_runs
 
 
 def test_rope_and_kv_write_in_one_kernel():
@@ -152,3 +169,25 @@ def test_kv_write_for_layers_that_rope_apart():
         row = table[slot, pos // B] * B + pos % B
         want_k[row], want_v[row] = q[col, H * Hd:H * Hd + W], q[col, H * Hd + W:]
     assert np.array_equal(ts[1].numpy(), want_k) and np.array_equal(ts[2].numpy(), want_v)
+
+
+@pytest.mark.slow
+def test_a_whole_stage_decode_step_gets_the_same_bits_beside_another_sequence(tmp_path):
+    """The one-chunk case (test_the_same_bits_when_the_context_is_one_chunk) through a whole tiny stage (rope + KV
+    write, attention, the matvecs, the head) on the PYTHON device, max_context 32: a sequence's decode step alone
+    and beside another sequence's step give the same logits bits (helper tc's repro before the fix: 43 of 64 logits
+    ~1 ulp apart). Two slots hold the same first token, so one load serves both sides. ~17 s on the 2-core box, so
+    slow: the kernel test is the fast loop's guard."""
+    from tinygrad.helpers import Context
+
+    from engine.stage import Column, Stage
+    from tests.tiny_gguf import write_tiny_gguf
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=1, dim=64, n_heads=2, n_kv_heads=1, ffn_dim=128,
+                        vocab_size=64, qtype="Q4_0")
+    with Context(DEV=DEV):
+        s = Stage.load(p, 0, 1, n_slots=3, max_context=32, jit=False)
+        s.step_logits([Column(0, 0, False, 3), Column(0, 2, False, 3), Column(0, 1, False, 9)])
+        alone = s.step_logits([Column(1, 0, True, 11)])
+        beside = s.step_logits([Column(1, 1, True, 7), Column(1, 2, True, 11)])
+    assert alone.shape == (1, 64) and beside.shape == (2, 64)
+    assert np.array_equal(alone[0], beside[1])
