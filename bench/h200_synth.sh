@@ -601,10 +601,10 @@ tc2)  # seventh session (helper tc), a fresh machine: the engine with the tensor
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_tc.py \
     2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"
   F=1.1b-Q8_0; while [ ! -f $M/.$F ]; do sleep 2; done
-  for mv in "" tc; do
-    lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve ${mv:-default}: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
-    echo "== serve_bench $F local, MESH_GPU_MV=${mv:-} (limit ${lim}s)"; uptime
-    MESH_GPU_MV=$mv DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+  for mv in MESH_GPU_MV_TC=0 MESH_GPU_MV=tc; do  # serve_bench's stage has 16 slots: tensor cores unless told not to
+    lim=$(( $(left) - 30 )); [ "$lim" -gt 50 ] || { echo "skip serve $mv: no time"; continue; }; [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench $F local, $mv (limit ${lim}s)"; uptime
+    env $mv DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
       2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
   done
   for f in 8b-Q4_0 8b-Q8_0; do
@@ -613,9 +613,10 @@ tc2)  # seventh session (helper tc), a fresh machine: the engine with the tensor
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
-s9c)  # seventh session's last call, a fresh machine: the tensor-core stage (MESH_GPU_MV=tc) on 1.1b-Q8_0, its CUDA
-  # tests, a 16- and a 1-column step with and without (decode_profile --batch), serve_bench local 1,16 with it, then
-  # the 8B Q4_0 engine with and without, time allowing
+s9c)  # seventh session's last call, a fresh machine: the tensor-core stage on 1.1b-Q8_0, its CUDA tests, a 16- and a
+  # 1-column step with and without (decode_profile --batch), serve_bench local 1,16 with it (a 16-slot stage takes
+  # the tensor cores by itself) and without (MESH_GPU_MV_TC=0), then the 8B Q4_0 engine with and without, time
+  # allowing
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   for f in 1.1b-Q8_0 8b-Q4_0; do
     [ -f $M/.$f ] || { python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f; }
@@ -623,18 +624,25 @@ s9c)  # seventh session's last call, a fresh machine: the tensor-core stage (MES
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout 70 python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_tc.py \
     2>&1 | grep -v "Warning\|warn" | tail -6 | tee "$OUT/pytest_cuda.txt"
   F=1.1b-Q8_0; while [ ! -f $M/.$F ]; do sleep 2; done
-  for b in 16 1; do for mv in tc ""; do
-    lim=$(( $(left) - 10 )); [ "$lim" -gt 30 ] || { echo "skip step $b ${mv:-default}: no time"; continue; }; [ "$lim" -gt 60 ] && lim=60
-    echo "== step of $b columns, $F, MESH_GPU_MV=${mv}"
-    MESH_GPU_MV=$mv DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$F.gguf --batch $b --steps 20 2>&1 \
+  # the kernel is chosen per stage at load (engine/matvec_gpu_tc.py tc_stage: several slots on CUDA take the tensor
+  # cores): "with" forces it (MESH_GPU_MV=tc), "without" forbids it (MESH_GPU_MV_TC=0), whatever the slots
+  for b in 16 1; do for mv in MESH_GPU_MV=tc MESH_GPU_MV_TC=0; do
+    lim=$(( $(left) - 10 )); [ "$lim" -gt 30 ] || { echo "skip step $b $mv: no time"; continue; }; [ "$lim" -gt 60 ] && lim=60
+    echo "== step of $b columns, $F, $mv"
+    env $mv DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$F.gguf --batch $b --steps 20 2>&1 \
       | grep "jitted" | tee -a "$OUT/steps.txt"
   done; done
   lim=$(( $(left) - 10 )); [ "$lim" -gt 150 ] && lim=150
   echo "== serve_bench $F local 1,16, MESH_GPU_MV=tc (limit ${lim}s)"
   MESH_GPU_MV=tc DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
     2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  lim=$(( $(left) - 10 )); [ "$lim" -gt 60 ] && {
+    [ "$lim" -gt 150 ] && lim=150
+    echo "== serve_bench $F local 1,16, MESH_GPU_MV_TC=0 (limit ${lim}s)"
+    MESH_GPU_MV_TC=0 DEV=CUDA timeout $lim python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
   while [ ! -f $M/.8b-Q4_0 ] && [ "$(left)" -gt 60 ]; do sleep 2; done
-  engine 8b-Q4_0 engine.txt tc; engine 8b-Q4_0 engine.txt
+  engine 8b-Q4_0 engine.txt tc; engine 8b-Q4_0 engine.txt  # engine_bench's decode stage has one slot: the default
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

@@ -28,16 +28,23 @@ through f32 (bf16 has 7 mantissa bits, a byte needs 8): (byte ^ 0x80) | 2^23 bit
 16 bits of the f32 are the bf16 (exact: an integer of 8 bits).
 
 Work split: a thread block is S warps over the blocks of a row (warp s takes blocks s, s + S, ...) and R tiles of
-16 rows; each warp keeps R x NT accumulator fragments (NT = ceil(N / 8) column tiles). The S partials of each
-output meet in shared memory and are added in order s = 0..S-1. S depends on the matrix only (rows, blocks).
+16 rows; each warp keeps R x NT accumulator fragments (NT = ceil(N / 8) column tiles, at most 2: more columns are
+groups of 16 on the grid). The S partials of each output meet in shared memory and are added in order s = 0..S-1.
+S depends on the matrix only (rows, blocks). For fewer than 8 columns the thread block splits x into its pieces
+once, into shared memory, before the loop; otherwise each warp splits its blocks' x in registers for its R tiles.
+
+Who uses it: a stage decides at load (`tc_stage`): several KV slots on a GPU with CUDA's bf16 MMA -> this kernel for
+every weight it takes, at every batch size; one slot -> engine/matvec_gpu.py's (faster at one column on the H200).
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo
 
@@ -54,11 +61,48 @@ def tc_supported(ggml_type: int, rows: int, cols: int) -> bool:
     return ggml_type in TYPES and rows % 16 == 0 and cols % 32 == 0
 
 
+def has_bf16_mma(device: str) -> bool:
+    """Whether `device` renders CUDA's bf16 mma.sync m16n8k16 (a CUDA GPU of sm_80 or later, or the PYTHON device
+    emulating one: DEV=PYTHON::sm_80)."""
+    try:
+        ren = Device[device].renderer
+    except Exception:  # a device this machine cannot open has no tensor cores to offer
+        return False
+    return ren.target.device == "CUDA" and any(
+        tc.dims == (8, 16, 16) and tc.dtype_in == BF16 and tc.dtype_out == F32 for tc in ren.tensor_cores)
+
+
+def tc_stage(device: str, n_slots: int) -> bool:
+    """Whether a stage loading on `device` with `n_slots` KV slots takes the tensor-core kernel, for every matmul it
+    supports and every batch size (the lead's decision, seventh session): a column's bits must not depend on its
+    batch, so one stage runs one kernel; a stage of several slots serves several sequences, where the tensor cores
+    are 2-4x faster at 16 columns (the H200), and a one-slot stage keeps the CUDA-core kernel, faster at one column.
+    MESH_GPU_MV=tc forces it on, MESH_GPU_MV_TC=0 off (A/B runs)."""
+    if os.environ.get("MESH_GPU_MV_TC") == "0":
+        return False
+    if os.environ.get("MESH_GPU_MV") == "tc":
+        return device.split(":")[0] in ("CUDA", "PYTHON")
+    return n_slots > 1 and has_bf16_mma(device)
+
+
+_STAGE: ContextVar[bool | None] = ContextVar("tc_stage", default=None)
+
+
+@contextmanager
+def tc_loading(on: bool):
+    """The weights loaded inside take the tensor-core layout where it supports them (`on`), or none do."""
+    token = _STAGE.set(on)
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
+
+
 def tc_wanted(device: str, ggml_type: int, rows: int, cols: int) -> bool:
-    """Whether a weight loads in the tensor-core layout: MESH_GPU_MV=tc (opt-in until the H200 says it is faster at
-    1 and 16 columns), a CUDA device (or the PYTHON device, which emulates CUDA's MMA: the tests), a type it decodes."""
-    return os.environ.get("MESH_GPU_MV") == "tc" and device.split(":")[0] in ("CUDA", "PYTHON") \
-        and tc_supported(ggml_type, rows, cols)
+    """Whether a weight loads in the tensor-core layout: inside `tc_loading` as the stage decided, outside it only when
+    MESH_GPU_MV=tc forces it; and only a type and shape the kernel takes."""
+    on = _STAGE.get()
+    return (tc_stage(device, 1) if on is None else on) and tc_supported(ggml_type, rows, cols)
 
 
 def tc_shapes(ggml_type: int, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

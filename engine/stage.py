@@ -19,6 +19,7 @@ from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      device_empty, free_device_cache, load_fused, load_weight, reading, tensor_info, write_into)
 from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
+from .matvec_gpu_tc import tc_loading, tc_stage
 from .model import Block, Group, Head, KVPages, make_block, rope_inputs
 from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
 from .program_cache import enabled as program_cache_enabled
@@ -174,6 +175,7 @@ def greedy_ids(logits: Tensor) -> Tensor:
 
 class Stage:
     act_dtype = np.dtype(np.float32)
+    tensor_cores = False  # its Q4_0/Q8_0 matmuls on tensor cores (engine/matvec_gpu_tc.py), decided at load
 
     def __init__(self, meta: ModelMeta, start: int, end: int, blocks: list[Block], embed: EmbeddingTable | None,
                  head: Head | None, *, n_slots: int, max_context: int, weight_bytes: int, pages: KVPages,
@@ -257,7 +259,10 @@ class Stage:
         }
         # llama GGUFs store q/k rows permuted for adjacent-pair rope; undo it so one half-split rope serves all
         rope_heads = {} if meta.rope_neox else {"attn_q.weight": H, "attn_k.weight": KvH, "attn_q.bias": H, "attn_k.bias": KvH}
-        with reading(g):  # one open file and one reused host buffer for the whole range
+        # the kernel is a property of the stage: with several slots on a GPU with bf16 tensor cores, the tensor-core
+        # matvec for every weight it takes, at every batch size (engine/matvec_gpu_tc.py `tc_stage`)
+        tensor_cores = tc_stage(Device.DEFAULT, n_slots)
+        with reading(g), tc_loading(tensor_cores):  # one open file and one reused host buffer for the whole range
             weight_bytes = 0
             blocks = []
             # one matmul for q, k and v, and one for gate and up: fewer kernels per layer
@@ -306,6 +311,7 @@ class Stage:
         _release_freed_memory()
         stage = cls(meta, start, end, blocks, embed, head, n_slots=n_slots, max_context=max_context,
                     weight_bytes=weight_bytes, pages=pages, use_jit=jit)
+        stage.tensor_cores = tensor_cores
         if jit and program_cache_enabled():  # step templates and kernels of earlier processes, read when needed
             stage._program_file = cache_path(meta.fingerprint, start, end, n_slots, max_context, weights, kv_dtype,
                                              Device.DEFAULT, kv_blocks)
