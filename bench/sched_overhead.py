@@ -17,7 +17,8 @@ first stream's last one, so only steps where all n decode count):
   the child's own step time (StepDone.compute_ms) from the step's wall time.
 Consumers: `plain` (each stream appends its ids) or `api` (each token detokenized and stop-checked as the HTTP API
 does, `mesh/serve/openai_api._Text`, and formatted as its SSE chunk): the per-token work of a streamed answer
-without hypercorn.
+without hypercorn. `--sampled`: every stream samples with its own seed (the API's default, temperature 1), so
+each step carries a Sampling per column.
 
 `--base REV`: the same bench on git revision REV (a detached worktree in /tmp), alternating with this tree round by
 round in one run: side-by-side before/after. `--ab-env VAR=VALUE`: the same, this tree with and without a setting. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
@@ -107,8 +108,8 @@ def child(args) -> dict:
         times: list[list[float]] = [[] for _ in range(n)]
 
         async def consume(i: int) -> None:
-            req = Request(tuple(40 + (i * 13 + k) % (vocab - 40) for k in range(8)), args.steps, Sampling(),
-                          frozenset())
+            samp = Sampling(temperature=1.0, top_p=0.95, seed=1000 + i) if args.sampled else Sampling()
+            req = Request(tuple(40 + (i * 13 + k) % (vocab - 40) for k in range(8)), args.steps, samp, frozenset())
             async with sched.open(req) as g:
                 if consumer == "plain":
                     out = []
@@ -207,6 +208,8 @@ def main() -> None:
                     help="worker mode: every step also sleeps this long in the child (a GPU step's time; the "
                          "host's work that overlaps it is hidden, what does not is counted)")
     ap.add_argument("--base", default=None, help="git revision to measure side by side with this tree")
+    ap.add_argument("--sampled", action="store_true",
+                    help="every stream samples with its own seed (a Sampling per column, as the API's default)")
     ap.add_argument("--ab-env", default=None, help="VAR=VALUE: this tree with that setting, side by side with it "
                                                        "without (e.g. MESH_SCHED_SERIAL=0)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the first mode and consumer at this many streams")

@@ -143,6 +143,13 @@ def decode_command_record(payload: memoryview) -> Command | StepRecord:
     return Reset(cid) if mtype == M_RESET else Shutdown(cid)
 
 
+# A sequence's Sampling comes in every step it decodes (one per column when a batch's differ): the validated value is
+# kept by its 32 record bytes, so a step of 16 sampled columns builds none after their first steps. Immutable, so
+# sharing it changes nothing; bounded, so a stream of fresh seeds cannot grow it.
+_SAMPLINGS: dict[bytes, Sampling] = {}
+_SAMPLINGS_MAX = 4096
+
+
 def _decode_step(payload: memoryview, n: int, cid: int) -> StepRecord:
     def bad(detail: str) -> WireError:
         return WireError(f"Step.{detail}", command="Step", cid=cid)
@@ -159,16 +166,27 @@ def _decode_step(payload: memoryview, n: int, cid: int) -> StepRecord:
     head = at + n * _COLUMN.size + m * _SAMPLING.size
     if head > len(payload):
         raise bad(f"columns: {n} columns and {m} samplings need {head} bytes, the record holds {len(payload)}")
-    cols = []
-    for pos, slot, flag, token in _COLUMN.iter_unpack(payload[at:at + n * _COLUMN.size]):
-        if flag > 1:
-            raise bad(f"columns[{len(cols)}].needs_logits: {flag} is not 0 or 1")
-        cols.append(Column(pos, slot, flag == 1, token))
+    v = struct.unpack_from(f"<{4 * n}I", payload, at)      # the columns' fields in one call, then one map
+    flags = v[2::4]
+    if n and max(flags) > 1:
+        i = next(i for i, f in enumerate(flags) if f > 1)
+        raise bad(f"columns[{i}].needs_logits: {flags[i]} is not 0 or 1")
+    cols = list(map(Column, v[0::4], v[1::4], map(bool, flags), v[3::4]))
     at += n * _COLUMN.size
-    try:
-        samp = tuple(Sampling(*rec) for rec in _SAMPLING.iter_unpack(payload[at:head]))
-    except ValueError as exc:
-        raise bad(f"sampling: {exc}") from None
+    samp = []
+    for k in range(at, head, _SAMPLING.size):
+        raw = bytes(payload[k:k + _SAMPLING.size])
+        s = _SAMPLINGS.get(raw)
+        if s is None:
+            try:
+                s = Sampling(*_SAMPLING.unpack(raw))
+            except ValueError as exc:
+                raise bad(f"sampling: {exc}") from None
+            if len(_SAMPLINGS) >= _SAMPLINGS_MAX:
+                _SAMPLINGS.clear()
+            _SAMPLINGS[raw] = s
+        samp.append(s)
+    samp = tuple(samp)
     off = _aligned(head)
     size = n * dim * ITEMSIZE[kind] if kind else 0
     if len(payload) != off + size:

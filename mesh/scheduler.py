@@ -23,6 +23,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Literal, Sequence
 
 import trio
@@ -84,6 +85,8 @@ def decode_widths(n_slots: int, micro_batches: int) -> int:
 
 
 # ---- the sans-IO core ------------------------------------------------------------------------------------------
+
+_READY_SINCE = attrgetter("ready_since")
 
 @dataclass(eq=False)
 class _Seq:
@@ -227,19 +230,28 @@ class _Core:
         stream by at most one chunk at a time and a new request's first token is not starved by decoding ones. A
         decode batch takes the sequences that waited longest, at most ceil(decoding / depth) of them, so the
         decoding sequences spread over `depth` micro-batches that follow each other through the stages."""
-        live = [s for s in self.active if not s.ending]
-        ready = sorted((s for s in live if not s.prefilling and s.in_flight == 0 and s.next_tok >= 0),
-                       key=lambda s: s.ready_since)
-        prefill = [s for s in live if s.prefilling]
-        if not ready and not prefill:
+        ready: list[_Seq] = []
+        prefill: _Seq | None = None     # the oldest live sequence still prefilling
+        decoding = 0
+        for s in self.active:           # one pass: this runs between every two steps
+            if s.ending:
+                continue
+            if s.fed < s.chunked:
+                if prefill is None:
+                    prefill = s
+                continue
+            decoding += 1
+            if s.in_flight == 0 and s.next_tok >= 0:
+                ready.append(s)
+        if not ready and prefill is None:
             return None
-        if prefill and (self.prefill_turn or not ready):
+        if prefill is not None and (self.prefill_turn or not ready):
             self.prefill_turn = False
-            return self._prefill(prefill[0])
-        self.prefill_turn = bool(prefill)
-        decoding = sum(1 for s in live if not s.prefilling)
+            return self._prefill(prefill)
+        self.prefill_turn = prefill is not None
+        ready.sort(key=_READY_SINCE)    # stable: admission order among equals, as before
         cap = max(1, math.ceil(decoding / self.depth))
-        return self._decode(ready[:cap])
+        return self._decode(ready[:cap] if cap < len(ready) else ready)
 
     def _chunked(self, seq: _Seq) -> int:
         """How much of a sequence's ids go in prefill chunks: its prompt, and of a replay (`Request.replay`) the
@@ -270,23 +282,30 @@ class _Core:
         return _Batch(cols, [seq] * len(cols), seq.req.sampling, "prefill")
 
     def _decode(self, seqs: list[_Seq]) -> _Batch:
-        cols = [Column(s.pos, s.slot, True, s.next_tok) for s in seqs]
-        samplings = [s.req.sampling for s in seqs]
+        cols = []
+        samplings = []
+        first = seqs[0].req.sampling
+        same = True
         for s in seqs:
+            cols.append(Column(s.pos, s.slot, True, s.next_tok))
+            samp = s.req.sampling
+            samplings.append(samp)
+            if same and samp is not first and samp != first:
+                same = False
             s.in_flight += 1
             s.next_tok = -1
-        sampling = samplings if len(set(samplings)) > 1 else samplings[0]   # one per logits column, or one for all
-        return _Batch(cols, list(seqs), sampling, "decode")
+        return _Batch(cols, seqs, first if same else samplings, "decode")   # one for all, or one per column
 
     def apply(self, batch: _Batch, tokens: Sequence[int]) -> list[tuple[_Seq, int | None, str | None]]:
         """A micro-batch's answer: one token per needs_logits column. Returns (seq, token to emit or None,
         finish reason or None) for each sequence that got a token."""
         self.steps += 1
-        picks = [s for c, s in zip(batch.cols, batch.seqs) if c.needs_logits]
+        decode = batch.kind == "decode"     # a column per sequence, each needs logits
+        picks = batch.seqs if decode else [s for c, s in zip(batch.cols, batch.seqs) if c.needs_logits]
         if len(tokens) != len(picks):
             raise SchedulerError(f"a step of {len(batch.cols)} columns answered {len(tokens)} tokens for "
                                  f"{len(picks)} columns that need logits")
-        for s in set(batch.seqs):
+        for s in (batch.seqs if decode else set(batch.seqs)):
             s.in_flight -= 1
         out = []
         self.tick += 1
@@ -294,7 +313,7 @@ class _Core:
             if s.ending:
                 continue
             tok = int(tok)
-            if batch.kind == "decode":
+            if decode:
                 s.pos += 1
             else:
                 s.pos = len(s.ids)
