@@ -15,6 +15,7 @@ first stream's last one, so only steps where all n decode count):
 - `worker`: the same through a real worker process holding a tiny random model (3 layers, dim 64, CPU): the
   worker client's codec, the doorbells, the child's record decode and the stage's host side; `host` subtracts
   the child's own step time (StepDone.compute_ms) from the step's wall time.
+- `core`: the scheduler's sans-IO core alone (`_Core.form` and `apply` of one decode step), no trio, no consumers.
 Consumers: `plain` (each stream appends its ids) or `api` (each token detokenized and stop-checked as the HTTP API
 does, `mesh/serve/openai_api._Text`, and formatted as its SSE chunk): the per-token work of a streamed answer
 without hypercorn. `--sampled`: every stream samples with its own seed (the API's default, temperature 1), so
@@ -149,10 +150,34 @@ def child(args) -> dict:
         gap_us = statistics.median(stage.sent[i] - stage.received[i - 1] for i in idx) * 1e6 if idx else 0.0
         return {"wall_us": wall_us, "compute_us": compute_us, "host_us": wall_us - compute_us, "gap_us": gap_us}
 
+    def core(n: int) -> dict:
+        """The sans-IO core alone: form() and apply() of a decode step of n sequences, best of 7 x 2000."""
+        import timeit
+        from mesh.scheduler import _Core, _Seq
+        c = _Core(slots=range(n), max_queue=64, depth=1, prefill_chunk=16)
+        for i in range(n):
+            samp = Sampling(temperature=1.0, top_p=0.95, seed=1000 + i) if args.sampled else Sampling()
+            c.enqueue(_Seq(None, Request(tuple(range(40, 48)), 10**6, samp, frozenset()), 10**6))
+        c.admit()
+        while True:         # every prompt prefilled, then one decode step of all n
+            b = c.form()
+            c.apply(b, [50] * sum(col.needs_logits for col in b.cols))
+            if b.kind == "decode" and len(b.cols) == n:
+                break
+
+        def step():
+            b = c.form()
+            c.apply(b, [50] * len(b.cols))
+        us = min(timeit.repeat(step, number=2000, repeat=7)) / 2000 * 1e6
+        return {"wall_us": us, "compute_us": 0.0, "host_us": us, "gap_us": us}
+
     async def main() -> dict:
         res: dict = {}
         for mode in args.modes:
-            if mode == "instant":
+            if mode == "core":
+                for n in args.streams:
+                    res[f"core/-/{n}"] = core(n)
+            elif mode == "instant":
                 for consumer in args.consumers:
                     for n in args.streams:
                         res[f"{mode}/{consumer}/{n}"] = await one(Instant(), n, consumer)

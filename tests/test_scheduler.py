@@ -219,6 +219,57 @@ class NoPipe(Pipeline):
         super().__init__(None, ["nobody"])
 
 
+class Posting:
+    """A worker-like stage that takes a step at submit (`post_step_nowait`) and answers it at collect; each token is
+    the number of the step that picked it, and the log says when steps went out and tokens reached consumers."""
+
+    def __init__(self):
+        self.log: list[tuple[str, int]] = []
+        self.posted = 0
+
+    def post_step_nowait(self, cols, data, kind, dim, sampling):
+        self.posted += 1
+        self.log.append(("post", self.posted))
+        return self.posted, [c for c in cols if c.needs_logits]
+
+    async def step_posted(self, posted):
+        await trio.lowlevel.checkpoint()
+        n, picks = posted
+
+        class Out:
+            def array(self):
+                return np.full(len(picks), n, np.int32)
+        return Out()
+
+    async def zero_slot(self, slot): pass
+    async def rollback(self, slot, pos): pass
+    async def block_table(self, slot, blocks): pass
+    async def reset(self): pass
+
+
+async def test_the_next_step_goes_out_before_consumers_get_the_last_steps_tokens():
+    stage = Posting()
+    sched = Scheduler(LocalPipeline(stage), n_slots=4, max_context=64)
+    reqs = [Request((5, 6, 7), 6, Sampling(), frozenset()), Request((8,), 6, Sampling(), frozenset())]
+
+    async def consume(req):
+        async with sched.open(req) as g:
+            async for tok in g:
+                stage.log.append(("token", tok))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with trio.open_nursery() as clients:
+            for r in reqs:
+                clients.start_soon(consume, r)
+        nursery.cancel_scope.cancel()
+    tokens = [n for what, n in stage.log if what == "token"]
+    assert len(tokens) == 12 and stage.posted == max(tokens)
+    for i, (what, n) in enumerate(stage.log):
+        if what == "token" and n < stage.posted:    # step n's tokens are handed over once step n + 1 is out
+            assert ("post", n + 1) in stage.log[:i], stage.log
+
+
 def test_the_bounded_queue_raises_queue_full():
     sched = Scheduler(NoPipe(), n_slots=2, max_context=64, max_queue=2)
     req = Request((1, 2, 3), 4, Sampling(), frozenset())

@@ -66,6 +66,26 @@ def test_a_bad_step_record_names_the_field_and_the_command(patch, field):
     assert info.value.command == "Step" and info.value.cid == 5
 
 
+def test_per_column_samplings_are_kept_by_their_bytes_and_checked_once():
+    cols = tuple(Column(50 + i, i, True, 9) for i in range(3))
+    samp = tuple(Sampling(1.0, 0, 0.95, 1000 + i) for i in range(3))
+    one = decode_command_record(memoryview(step_head(1, 1, cols, samp, True, 0, 0))).cmd
+    two = decode_command_record(memoryview(step_head(2, 2, cols, samp, True, 0, 0))).cmd
+    assert one.sampling == two.sampling == samp and one.columns == two.columns == cols
+    assert all(a is b for a, b in zip(one.sampling, two.sampling))     # the same values, not built again
+    other = decode_command_record(memoryview(step_head(3, 3, cols, (*samp[:2], Sampling(1.0, 0, 0.95, 7)), True,
+                                                       0, 0))).cmd
+    assert other.sampling[2].seed == 7 and other.sampling[:2] == samp[:2]
+    bad = bytearray(step_head(4, 4, cols, samp, True, 0, 0))
+    struct.pack_into("<d", bad, 40 + 3 * 16 + 32 + 16, 1.5)              # the second sampling's top_p
+    with pytest.raises(WireError, match=re.escape("Step.sampling")):
+        decode_command_record(memoryview(bytes(bad)))
+    flag = bytearray(step_head(5, 5, cols, samp, True, 0, 0))
+    struct.pack_into("<I", flag, 40 + 16 + 8, 3)                          # the second column's needs_logits
+    with pytest.raises(WireError, match=re.escape("Step.columns[1].needs_logits: 3")):
+        decode_command_record(memoryview(bytes(flag)))
+
+
 def test_unknown_and_short_command_records_are_wire_errors():
     with pytest.raises(WireError, match="shorter than"):
         decode_command_record(memoryview(b"\x01\x00"))
