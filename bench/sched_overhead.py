@@ -258,9 +258,14 @@ def main() -> None:
     print(f"streams {args.streams}, {args.steps} steps, rounds {args.rounds}, cores {os.cpu_count()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     got: dict[str, list[dict]] = {t: [] for t in trees}
-    for r in range(args.rounds):
-        for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            got[t].append(run_round(trees[t][0], raw, trees[t][1]))
+    try:
+        for r in range(args.rounds):
+            for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                got[t].append(run_round(trees[t][0], raw, trees[t][1]))
+    finally:
+        if args.base:       # the base's worktree is registered in the repository: not left behind
+            subprocess.call(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[f"base {args.base}"][0])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     keys = list(got["this"][0])
     print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}" for t in trees)
           + ("  this/base host, gap" if len(trees) > 1 else ""))
