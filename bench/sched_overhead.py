@@ -21,6 +21,9 @@ does, `mesh/serve/openai_api._Text`, and formatted as its SSE chunk): the per-to
 without hypercorn. `--sampled`: every stream samples with its own seed (the API's default, temperature 1), so
 each step carries a Sampling per column.
 
+`--model PATH --device CUDA` (worker mode): a real model on a real device instead of the tiny one on the CPU: the
+step's wall time splits into the worker's own step (`child`, its stage's host side included), the parent's gap and
+the rest (doorbells, the child's record decode).
 `--base REV`: the same bench on git revision REV (a detached worktree in /tmp), alternating with this tree round by
 round in one run: side-by-side before/after. `--ab-env VAR=VALUE`: the same, this tree with and without a setting. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
 Prints us a step and us a column (the step's host time over its columns) per row, the median of the rounds.
@@ -120,7 +123,7 @@ def child(args) -> dict:
                     text, head = _Text(tok, ("\n\n\n\n",)), {"id": "chatcmpl-x", "object": "chat.completion.chunk",
                                                              "created": 0, "model": "m"}
                     async for t in g:
-                        piece = text.feed(t)
+                        piece = text.feed(t % vocab)
                         if piece:
                             _sse({**head, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
                                                        "finish_reason": None}]})
@@ -185,8 +188,12 @@ def child(args) -> dict:
                 from engine.worker import open_worker
                 env = dict(os.environ, MESH_TEST_SLOW_MS_PER_LAYER=str(args.device_ms / 3)) if args.device_ms \
                     else None
-                async with open_worker(device="CPU", env=env) as w:
-                    await w.load(model, 0, 3, n_slots=n_slots, max_context=context, warmup=n_slots)
+                path, layers = model, 3
+                if args.model:          # a real model on a real device: the child's step time is printed too
+                    from engine.gguf_meta import read_model_meta
+                    path, layers = args.model, read_model_meta(args.model).n_layers
+                async with open_worker(device=args.device, env=env) as w:
+                    await w.load(path, 0, layers, n_slots=n_slots, max_context=context, warmup=n_slots)
                     stage = Timed(w)
                     await one(stage, 1, "plain")        # first steps of each shape out of the way
                     for consumer in args.consumers:
@@ -229,6 +236,9 @@ def main() -> None:
     ap.add_argument("--modes", default="instant,worker")
     ap.add_argument("--consumers", default="plain,api")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="worker mode: this GGUF (every layer) instead of the tiny model, e.g. on a GPU")
+    ap.add_argument("--device", default="CPU", help="worker mode: the worker's device (CPU, CUDA)")
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="worker mode: every step also sleeps this long in the child (a GPU step's time; the "
                          "host's work that overlaps it is hidden, what does not is counted)")
@@ -267,7 +277,8 @@ def main() -> None:
             subprocess.call(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[f"base {args.base}"][0])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     keys = list(got["this"][0])
-    print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}" for t in trees)
+    print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}{'child':>8s}"
+                                                    for t in trees)
           + ("  this/base host, gap" if len(trees) > 1 else ""))
     for k in keys:
         n = int(k.rsplit("/", 1)[1])
@@ -275,12 +286,14 @@ def main() -> None:
         for t in trees:
             host = statistics.median(x[k]["host_us"] for x in got[t])
             gap = statistics.median(x[k]["gap_us"] for x in got[t])
+            child_us = statistics.median(x[k]["compute_us"] for x in got[t])
             meds.append((host, gap))
-            cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}"
+            cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}{child_us:8.0f}"
         ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if len(trees) > 1 else ""
         print(f"{k:<22s}{cells}{ratio}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}. host: the step's wall time over the window (worker rows: less the child's "
-          f"compute_ms); gap: median time from a step's answer in to the next step out (the host's critical path)")
+          f"compute_ms); gap: median time from a step's answer in to the next step out (the host's critical path); "
+          f"child: the worker's own step, us (StepDone.compute_ms: its stage's step, host side included)")
 
 
 if __name__ == "__main__":
