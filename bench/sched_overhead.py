@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,7 +202,10 @@ def child(args) -> dict:
                             res[f"{mode}/{consumer}/{n}"] = await one(stage, n, consumer)
         return res
 
-    return trio.run(main)
+    try:
+        return trio.run(main)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def profile(args) -> None:
