@@ -142,11 +142,12 @@ SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 
 WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
 
 
-def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int, bool]:
+def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int, bool] | None:
     """(S, R, shared): S warps share a row's blocks (the order of the sums: from the matrix alone, MESH_GPU_TC_SPLIT
     overrides), R tiles of 16 rows a warp: as many as keep WARPS warps in the grid (MESH_GPU_TC_WARPS overrides) and
-    fit shared memory (a warp's x pieces serve its R tiles; R changes no sum), and whether x is split once into shared
-    memory (`shared_split`), which takes precedence over a larger R."""
+    fit shared memory with the n columns' partials (and a fused norm's sums of squares: `norm`; a warp's x pieces
+    serve its R tiles; R changes no sum), and whether x is split once into shared memory (`shared_split`), which
+    takes precedence over a larger R."""
     # rows too long for x's pieces in shared memory (the 8B ffn_down's 14336): twice the warps over a row's blocks,
     # so a warp can take 2 tiles and split its x in registers once for both (a choice from the matrix alone)
     long = not shared_split(1, nb * 32, SPLIT, 1)
@@ -154,19 +155,22 @@ def tc_layout(tiles: int, nb: int, n: int) -> tuple[int, int, bool]:
     warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
-    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 <= SHARED_BYTES
+    extra = n * (32 * S + 16 + 1) * 4 if norm else 0  # the squares' partials, their 16 sums and 1 / rms a column
+    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 + extra <= SHARED_BYTES
             and (tiles // d * S >= warps or d == 1)]
-    shared = [d for d in fits if shared_split(n, nb * 32, S, d)]
+    shared = [d for d in fits if shared_split(n, nb * 32, S, d, extra)]
+    if not fits:  # n columns' partials do not fit: the caller takes fewer columns a thread block
+        return None
     return (S, max(shared), True) if shared else (S, max(fits), False)
 
 
 SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
 
 
-def shared_split(n: int, cols: int, S: int, R: int) -> bool:
-    """Whether the x pieces of n columns fit shared memory beside the partials (3 bf16 a value): one column of up
-    to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
-    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 <= SHARED_BYTES
+def shared_split(n: int, cols: int, S: int, R: int, extra: int = 0) -> bool:
+    """Whether the x pieces of n columns fit shared memory beside the partials and `extra` bytes (3 bf16 a value):
+    one column of up to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
+    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 + extra <= SHARED_BYTES
 
 
 def _bf(word: UOp, high: bool) -> UOp:
@@ -245,8 +249,10 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
         # column groups of at most GROUP columns, a grid dimension (a prefill chunk: more columns than registers
         # for their pieces and accumulators); a column's operations do not depend on its group
-        NG, NC = -(-N // GROUP), min(N, GROUP)
-        S, R, shared = tc_layout(T, nb, NC)
+        # (fewer than GROUP when their partials and a norm's sums do not fit shared memory: the 8B ffn_down's 16 warps)
+        group = next(gc for gc in (GROUP, 8, 4, 2, 1) if tc_layout(T, nb, min(N, gc), norm_w is not None) is not None)
+        NG, NC = -(-N // group), min(N, group)
+        S, R, shared = tc_layout(T, nb, NC, norm_w is not None)
         NT = -(-NC // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
         # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
@@ -258,8 +264,8 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         lanes = () if gn is None else (gn,)
 
         def column(local: UOp, bound: int) -> UOp:  # column `local` of this group, a column past N repeating N - 1
-            n = local if gn is None else gn * GROUP + local
-            return (n < N).where(n, N - 1) if NG * GROUP > N or bound > NC else n
+            n = local if gn is None else gn * group + local
+            return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
         bi = UOp.range(nb // S, 4, AxisType.REDUCE)
         b = bi * S + s if S > 1 else bi
         lane = tid % 32
@@ -275,14 +281,24 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             # `_pieces`, so the same bf16 values as the register split: a column's bits do not depend on the path
             nthr, total = 32 * S, N * C  # shared: one group (N < 8)
             xs = UOp.placeholder((3 * total,), BF16, 101, addrspace=AddrSpace.LOCAL)
-            kq = UOp.range(-(-total // nthr), 7) if total > nthr else UOp.const(0, tid.dtype)
-            v = kq * nthr + tid
-            v = (v < total).where(v, total - 1) if (-(-total // nthr)) * nthr > total else v
-            vn, vk = v // C, v % C
-            pos = vn * C + _lane_order(ggml_type, vk)
-            pcs = _pieces(xin(vn, vk))
-            split = UOp.group(*[xs[p * total + pos].store(pcs[p]) for p in range(3)])
-            split = split.end(kq) if total > nthr else split
+            # thread q takes x[n, q], x[n, q + 32 S], ... of each column n: with a fused norm it sums their squares
+            # on the way, in the order (and with the expression) of the register path's own loop (`squares`)
+            nr = UOp.range(N, 7) if N > 1 else UOp.const(0, tid.dtype)
+            kq = UOp.range(C // nthr, 11, AxisType.REDUCE)
+            k = kq * nthr + tid
+            xr = x[nr, k]
+            pcs = _pieces(xr * norm_w[k] if norm_w is not None else xr)
+            body = [xs[p * total + nr * C + _lane_order(ggml_type, k)].store(pcs[p]) for p in range(3)]
+            if norm_w is not None:
+                sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
+                sacc = sacc.after(tg, *((nr,) if N > 1 else ()))[0].set(0.0)
+                body.append(sacc[0].store(sacc.after(kq)[0] + xr * xr))
+            split = UOp.group(*body).end(kq)
+            if norm_w is not None:
+                ssp = UOp.placeholder((NC * nthr,), F32, 102, addrspace=AddrSpace.LOCAL)
+                split = ssp[nr * nthr + tid].store(sacc.after(split)[0])
+                ssp = ssp.after(split.end(nr) if N > 1 else split)
+            split = split.end(nr) if N > 1 else split
             xs = xs.after(split)
             bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
                      for m in range(2)] for n in cols]
@@ -322,7 +338,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                     parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
         parts = UOp.group(*parts)
         nthr = 32 * S
-        if norm_w is not None:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ... in order
+        if norm_w is not None and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
             nr = UOp.range(NC, 8)
             kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
             sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
@@ -344,12 +360,8 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
         y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + lcol], end=si)[0]
-        if norm_w is not None:  # the column's squares: its 32 S partials in order
-            sq = UOp.placeholder((1,), F32, 62, addrspace=AddrSpace.REG)
-            qi = UOp.range(nthr, 10, AxisType.REDUCE)
-            sq = sq.after(tg, *lanes, *((kk,) if K > 1 else ()), ssp)[0].set(0.0)
-            sq = sq[0].set(sq.after(qi)[0] + ssp[lcol * nthr + qi], end=qi)[0]
-            y = y * (sq * (1.0 / C) + norm).sqrt().reciprocal()
+        if norm_w is not None:
+            y = y * _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]
         if res is not None:
             y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
@@ -358,6 +370,31 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel
+
+
+def _inv_rms(ssp: UOp, tid: UOp, tg: UOp, lanes: tuple, NC: int, nthr: int, C: int, eps: float) -> UOp:
+    """1 / sqrt(mean(x^2) + eps) of each of NC columns, in shared memory, from the nthr partial sums of squares of
+    each (ssp[n * nthr + q]): 16 threads a column each add nthr / 16 partials in order, then a thread a column adds
+    the 16 (a thread of the output adding all nthr in a row was ~256 dependent shared-memory loads a block)."""
+    per, NA = nthr // 16, NC * 16
+    KA = -(-NA // nthr)
+    ka = UOp.range(KA, 14) if KA > 1 else None
+    a = tid if ka is None else ka * nthr + tid
+    a = (a < NA).where(a, NA - 1) if KA * nthr > NA else a  # past the last: the last again, the same value
+    ra = UOp.placeholder((1,), F32, 63, addrspace=AddrSpace.REG)
+    ra = ra.after(tg, *lanes, *((ka,) if ka is not None else ()), ssp)[0].set(0.0)
+    ia = UOp.range(per, 12, AxisType.REDUCE)
+    ra = ra[0].set(ra.after(ia)[0] + ssp[(a // 16) * nthr + (a % 16) * per + ia], end=ia)[0]
+    ssp2 = UOp.placeholder((NA,), F32, 103, addrspace=AddrSpace.LOCAL)
+    st = ssp2[a].store(ra)
+    ssp2 = ssp2.after(st.end(ka) if ka is not None else st)
+    tb = (tid < NC).where(tid, NC - 1) if nthr > NC else tid
+    rb = UOp.placeholder((1,), F32, 64, addrspace=AddrSpace.REG)
+    rb = rb.after(tg, *lanes, ssp2)[0].set(0.0)
+    ib = UOp.range(16, 13, AxisType.REDUCE)
+    rb = rb[0].set(rb.after(ib)[0] + ssp2[tb * 16 + ib], end=ib)[0]
+    invs = UOp.placeholder((NC,), F32, 104, addrspace=AddrSpace.LOCAL)
+    return invs.after(invs[tb].store((rb * (1.0 / C) + eps).sqrt().reciprocal()))
 
 
 def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, norm: tuple[Tensor, float] | None = None,

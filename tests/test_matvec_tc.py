@@ -31,8 +31,8 @@ def _weight(raw: np.ndarray, qtype: str) -> tuple[Tensor, Tensor]:
     return Tensor(words, device=DEV).realize(), Tensor(scales, device=DEV).realize()
 
 
-def _run(w: tuple[Tensor, Tensor], qtype: str, x: np.ndarray) -> np.ndarray:
-    return tc_matmul_t(*w, Q[qtype], Tensor(x, device=DEV)).numpy()
+def _run(w: tuple[Tensor, Tensor], qtype: str, x: np.ndarray, **kw) -> np.ndarray:
+    return tc_matmul_t(*w, Q[qtype], Tensor(x, device=DEV), **kw).numpy()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
@@ -96,17 +96,19 @@ def test_x_keeps_f32s_precision_and_range(qtype):
     np.testing.assert_allclose(got, want, rtol=2 ** -21, atol=0)  # a few roundings of f32 (the MMA chain, d)
 
 
-@pytest.mark.parametrize("qtype,rows,cols", [("Q4_0", 32, 256), ("Q8_0", 48, 128)])
-def test_a_column_alone_and_in_any_batch_has_the_same_bits(qtype, rows, cols):
+@pytest.mark.parametrize("qtype,rows,cols,norm", [("Q4_0", 32, 256, False), ("Q8_0", 48, 128, True)])
+def test_a_column_alone_and_in_any_batch_has_the_same_bits(qtype, rows, cols, norm):
     """The scheduler's contract: a column's output does not depend on the columns beside it. Batches of 20 (two
     groups of columns on the grid), 16, 9 and 5 (full, ragged column tiles: a padding column repeats the last one)
     against each column alone."""
     raw = _any_quants(qtype, rows, cols)
     w = _weight(raw, qtype)
     x = np.random.default_rng(5).standard_normal((20, cols)).astype(np.float32)
-    alone = np.concatenate([_run(w, qtype, x[i:i + 1]) for i in range(20)])
+    # with the fused norm: its squares summed in the shared split's loop (under 8 columns) or a loop of their own
+    kw = {"norm": (Tensor(np.linspace(-1, 1, cols, dtype=np.float32), device=DEV), 1e-5)} if norm else {}
+    alone = np.concatenate([_run(w, qtype, x[i:i + 1], **kw) for i in range(20)])
     for n in (20, 16, 9, 5):
-        np.testing.assert_array_equal(_run(w, qtype, x[20 - n:]), alone[20 - n:])
+        np.testing.assert_array_equal(_run(w, qtype, x[20 - n:], **kw), alone[20 - n:])
 
 
 def test_the_order_of_sums_is_the_matrixs():
