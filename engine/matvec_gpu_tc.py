@@ -77,12 +77,16 @@ def tc_stage(device: str, n_slots: int) -> bool:
     supports and every batch size (the lead's decision, seventh session): a column's bits must not depend on its
     batch, so one stage runs one kernel; a stage of several slots serves several sequences, where the tensor cores
     are 2-4x faster at 16 columns (the H200), and a one-slot stage keeps the CUDA-core kernel, faster at one column.
-    MESH_GPU_MV=tc forces it on, MESH_GPU_MV_TC=0 off (A/B runs)."""
+    MESH_GPU_MV=tc forces it on, MESH_GPU_MV_TC=0 off (A/B runs).
+    Only from TC_SLOTS slots (MESH_GPU_TC_SLOTS, default 8): at one column the tensor-core stage was slower on the
+    H200 (8B Q4_0 engine 226.7 against 367.7 tok/s, 1.1B step 1.57 against 1.05 ms; bench/RESULTS.md), and
+    mesh-coord's default --max-seqs is 4, so a home deployment that mostly serves one person keeps the faster
+    one-column kernel; a server configured for 8+ sequences takes the kernel that is 1.9x faster at 16 columns."""
     if os.environ.get("MESH_GPU_MV_TC") == "0":
         return False
     if os.environ.get("MESH_GPU_MV") == "tc":
         return device.split(":")[0] in ("CUDA", "PYTHON")
-    return n_slots > 1 and has_bf16_mma(device)
+    return n_slots >= int(os.environ.get("MESH_GPU_TC_SLOTS", "8")) and has_bf16_mma(device)
 
 
 _STAGE: ContextVar[bool | None] = ContextVar("tc_stage", default=None)

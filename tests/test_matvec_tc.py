@@ -164,7 +164,9 @@ def test_a_serving_stage_takes_the_tensor_cores_and_keeps_each_sequences_tokens(
     with Context(DEV=dev):
         def load(lo, hi, slots=2):
             return Stage.load(p, lo, hi, n_slots=slots, max_context=32, jit=False)
-        assert not load(0, 2, 1).tensor_cores
+        assert not load(0, 2, 1).tensor_cores and not load(0, 2, 4).tensor_cores  # below TC_SLOTS (8): not
+        assert load(0, 2, 8).tensor_cores
+        monkeypatch.setenv("MESH_GPU_TC_SLOTS", "2")  # two slots are enough to show a sequence alone and beside
         monkeypatch.setenv("MESH_GPU_MV_TC", "0")
         assert not load(0, 2).tensor_cores
         monkeypatch.delenv("MESH_GPU_MV_TC")
