@@ -120,20 +120,7 @@ def main() -> None:
                 def step(x: Tensor) -> list[Tensor]:
                     return [w.matmul_t(x, **kw).realize() for w in ws]
                 try:
-                    t0 = time.perf_counter()
-                    for _ in range(3):
-                        outs = step(x)
-                    Device[dev].synchronize()
-                    compile_s = time.perf_counter() - t0
-                    got = outs[0].numpy()[:, :want.shape[1]]
-                    err = float(np.abs(got - want).max() / np.abs(want).max())
-                    times = []
-                    for _ in range(a.reps):
-                        t = time.perf_counter()
-                        step(x)
-                        Device[dev].synchronize()
-                        times.append((time.perf_counter() - t) / copies)
-                    us = statistics.median(times) * 1e6
+                    compile_s, err, us = _time_step(step, x, want, a.reps, copies, dev)
                     first_us, first_err = (us, err) if first_us is None else (first_us, first_err)
                     line = (f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} {nbytes / 1e6:8.1f} MB  {label:7s} {us:9.1f} us "
                             + (f"({us / a.n:6.2f} a column) " if a.n > 1 else "")
@@ -154,31 +141,38 @@ def main() -> None:
     print("\n".join(rows_out))
 
 
+def _time_step(step, x, want, reps: int, copies: int, dev: str) -> tuple[float, float, float]:
+    """(seconds of the first 3 calls: capture and compiles, the first output's error against float64 relative to
+    its largest value, median us a copy over `reps` synchronized calls) of a jitted step over `copies` weights."""
+    from tinygrad import Device
+    t0 = time.perf_counter()
+    for _ in range(3):
+        outs = step(x)
+    Device[dev].synchronize()
+    compile_s = time.perf_counter() - t0
+    got = outs[0].numpy()[:, :want.shape[1]]
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step(x)
+        Device[dev].synchronize()
+        times.append((time.perf_counter() - t) / copies)
+    return compile_s, err, statistics.median(times) * 1e6
+
+
 def _time_tc(tcw, qtype, x, want, reps, copies, dev, head, nbytes, n, base_us, base_err) -> str:
     """The tensor-core kernel over the same copies, timed as the layouts are; its error against float64 and its
     time as a ratio to the first layout's (today's kernel, same run). "err ok": within 2x the first layout's error
     (and 1e-6 of the largest output), else "err WORSE"."""
-    from tinygrad import Device, TinyJit
+    from tinygrad import TinyJit
     from engine.matvec_gpu_tc import tc_matmul_t
 
     @TinyJit
     def step(x):
         return [tc_matmul_t(w, s, qtype, x).realize() for w, s in tcw]
     try:
-        t0 = time.perf_counter()
-        for _ in range(3):
-            outs = step(x)
-        Device[dev].synchronize()
-        compile_s = time.perf_counter() - t0
-        got = outs[0].numpy()[:, :want.shape[1]]
-        err = float(np.abs(got - want).max() / np.abs(want).max())
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            step(x)
-            Device[dev].synchronize()
-            times.append((time.perf_counter() - t) / copies)
-        us = statistics.median(times) * 1e6
+        compile_s, err, us = _time_step(step, x, want, reps, copies, dev)
         ratio = f"  {base_us / us:5.2f}x the first layout" if base_us else ""
         ok = "" if base_err is None else " ok" if err <= max(2 * base_err, 1e-6) else " WORSE"
         return (head + f"{us:9.1f} us " + (f"({us / n:6.2f} a column) " if n > 1 else "")
