@@ -200,6 +200,15 @@ class LocalPipeline(_Deferred):
         elif isinstance(ev, proto.Reset):
             await self.stage.reset()
 
+    def discard(self) -> None:
+        """Give up the steps posted and never collected (their caller stopped): the worker is free for the next
+        command and skips their replies (`Worker.abandon`)."""
+        posted, self._posted = self._posted, {}
+        abandon = getattr(self.stage, "abandon", None)
+        for p in posted.values():
+            if abandon is not None:
+                abandon(p)
+
     async def collect(self, group: int) -> tuple[int, ...]:
         posted = self._posted.pop(group, None)
         if posted is not None:

@@ -507,6 +507,9 @@ class Scheduler:
                 reason = f"the scheduler stopped: {exc}"
             raise
         finally:
+            discard = getattr(self.pipe, "discard", None)    # a step posted at submit that nobody will collect
+            if discard is not None:
+                discard()
             self._stop(reason)
 
     # internals

@@ -223,9 +223,14 @@ class Posting:
     """A worker-like stage that takes a step at submit (`post_step_nowait`) and answers it at collect; each token is
     the number of the step that picked it, and the log says when steps went out and tokens reached consumers."""
 
-    def __init__(self):
+    def __init__(self, hold: bool = False):
         self.log: list[tuple[str, int]] = []
         self.posted = 0
+        self.hold = hold            # every answer waits forever (a scheduler cancelled mid-step)
+        self.abandoned: list[int] = []
+
+    def abandon(self, posted):
+        self.abandoned.append(posted[0])
 
     def post_step_nowait(self, cols, data, kind, dim, sampling):
         self.posted += 1
@@ -234,6 +239,8 @@ class Posting:
 
     async def step_posted(self, posted):
         await trio.lowlevel.checkpoint()
+        if self.hold:
+            await trio.sleep_forever()
         n, picks = posted
 
         class Out:
@@ -268,6 +275,24 @@ async def test_the_next_step_goes_out_before_consumers_get_the_last_steps_tokens
     for i, (what, n) in enumerate(stage.log):
         if what == "token" and n < stage.posted:    # step n's tokens are handed over once step n + 1 is out
             assert ("post", n + 1) in stage.log[:i], stage.log
+
+
+async def test_a_step_posted_and_never_collected_is_given_up_when_the_scheduler_stops():
+    stage = Posting(hold=True)
+    pipe = LocalPipeline(stage)
+    sched = Scheduler(pipe, n_slots=4, max_context=64, micro_batches=2)     # two steps in flight: the two tasks
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        gens = [sched.open(Request((5, 6, 7), 4, Sampling(), frozenset())),
+                sched.open(Request((8, 9), 4, Sampling(), frozenset()))]
+        while stage.posted < 2:
+            await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    # step 1 was being collected (its wait cancelled, the worker's own finally frees it); step 2 was never collected
+    assert stage.posted == 2 and stage.abandoned == [2] and not pipe._posted
+    for g in gens:
+        with pytest.raises(SchedulerStopped):
+            await g.__anext__()
 
 
 def test_the_bounded_queue_raises_queue_full():
