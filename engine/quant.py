@@ -366,9 +366,9 @@ class QuantWeight:
         groups, where = np.unique(np.asarray(rows, dtype=np.int64) // self.il, return_inverse=True)
         if self.layout == "tc":  # a tile's words and scales, unpacked by the tensor-core layout's inverse
             _, nb, _, lw = self.rest.shape
+            wn, sn = nb * 32 * lw * 4, nb * 16 * 2  # bytes of a tile's words and of its scales
             raw = []
             for g in groups.tolist():
-                wn, sn = nb * 32 * lw * 4, nb * 16 * 2
                 words = _read(self.rest, g * wn, wn).view(np.uint32).reshape(1, nb, 32, lw)
                 scales = _read(self.halfs, g * sn, sn).view(np.float16).reshape(1, nb, 8, 2)
                 raw.append(tc_unpack(words, scales, self.ggml_type))
