@@ -444,7 +444,11 @@ async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch):
             await a.send(p.Ack(p.MsgType.LOAD, 0))
             assert await next_event() == p.Ack(p.MsgType.LOAD, 0)
             before = b.hot_reads
-            for i in range(1, 6):      # written without a checkpoint: b's reader task has not run since
+            for i in range(1, 6):
+                # Every task parked first (the other link's reader and writers, b's credit owed), then written
+                # without a checkpoint: b's reader has had no chance at these bytes, and the pump finds nothing
+                # runnable that would send it through trio's loop, where the reader could take them.
+                await trio.testing.wait_all_tasks_blocked()
                 assert a.send_nowait(p.Ack(p.MsgType.LOAD, i))
                 assert await next_event() == p.Ack(p.MsgType.LOAD, i)
                 await c.send(p.Ack(p.MsgType.VOCAB, i))         # the other link of the thread, between two pumps
