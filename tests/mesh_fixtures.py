@@ -23,8 +23,7 @@ from engine.stage import Sampling
 from engine.tokenizer import Tokenizer
 from engine.worker import open_worker
 from mesh.pipeline import LocalPipeline, generate
-from tests.test_tokenizer import byte_chars
-from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_gguf import byte_chars, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -16,21 +16,9 @@ from hypothesis import strategies as st
 from engine.errors import EngineError, ModelFormatError, UnsupportedModel
 from engine.sources import default_model_path
 from engine.tokenizer import StreamDecoder, Tokenizer, TokenizerError, UnsupportedTokenizer, read_tokenizer_metadata
+from tests.tiny_gguf import byte_chars
 
 SMOLLM2 = default_model_path()
-
-
-def byte_chars() -> list[str]:
-    """GPT-2's printable stand-in for each byte value, in byte order."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
 
 
 def write_tiny_gguf(

@@ -19,6 +19,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 _K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
+def byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, in byte order."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
 def _encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     if qtype == Q.F32:
         return x.astype(np.float32)
