@@ -3,6 +3,8 @@ core slices claimed by several threads, give bit-identical results to tinygrad's
 replay does not take keeps the jit."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, TinyJit
@@ -63,10 +65,16 @@ def test_threaded_replay_is_bitwise_the_jit_and_refusal_keeps_the_jit(model, mon
     assert not called._direct and all(np.array_equal(a, b) for a, b in zip(want, got))
 
 
+@pytest.mark.parametrize("futex", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_runner_matches_the_jit_with_more_or_fewer_threads_than_slices(threads):
+def test_runner_matches_the_jit_with_more_or_fewer_threads_than_slices(threads, futex, monkeypatch):
     """A small captured step (matmul, elementwise, reduction: kernels with and without core slices) replayed by
-    1, 2 and 3 threads (3: one thread more than any kernel has slices), many times: always the jit's bits."""
+    1, 2 and 3 threads (3: one thread more than any kernel has slices), many times: always the jit's bits. Both
+    helper pools: the futex one (helpers waiting in C, Linux) and the Python one (elsewhere, MESH_CPU_FUTEX=0)."""
+    if futex and cpu_runner._futex_number() is None:
+        pytest.skip("no futex pool on this system")
+    monkeypatch.setenv("MESH_CPU_FUTEX", "1" if futex else "0")
+    monkeypatch.setattr(cpu_runner, "_pool", functools.cache(cpu_runner._pool.__wrapped__))  # this test's own pools
     w = Tensor(np.random.default_rng(0).standard_normal((64, 48), dtype=np.float32)).realize()
 
     @TinyJit
@@ -86,6 +94,8 @@ def test_runner_matches_the_jit_with_more_or_fewer_threads_than_slices(threads):
         want = f(x).numpy()
         x.assign(Tensor(a)).realize()
         assert np.array_equal(replay({}).numpy(), want)
+    if threads > 1:
+        assert isinstance(cpu_runner._pool(threads - 1), cpu_runner._FutexPool if futex else cpu_runner._Pool)
 
 
 def test_a_step_runs_alone_while_the_helpers_are_busy(model, monkeypatch):
