@@ -156,8 +156,10 @@ def _futex_number() -> int | None:
 # The futex pool's two sides, C in one CUSTOM statement each (the runner's own loop stays tinygrad UOps). A job is a
 # StepRunner's `words`: runner address, table, counters, entries, fns, then one polls address per thread. The
 # control block's words are touched only through __atomic builtins (sequentially consistent): a helper counts itself
-# INSIDE before it reads JOB, and the lead resets a table's counters only once INSIDE is 0 after JOB was cleared,
-# so no helper walks a table whose counters are being reset (a helper that reads JOB late finds 0 or the new step).
+# INSIDE before it reads JOB, and the lead clears JOB after its share, then waits until INSIDE is 0, so when the
+# lead returns no helper walks the table (a helper that reads JOB late finds 0 and walks nothing): the step's table
+# may be reset or freed (a Python helper held a reference to its StepRunner for that; a C one holds none). A helper
+# leaves a finished table within microseconds (every slice is claimed, every wait is met).
 _LEAD = """unsigned long *ctl = (unsigned long *){0}, *job = (unsigned long *){1}, *fns = (unsigned long *){4};
   volatile unsigned long *counters = (volatile unsigned long *){2};
   unsigned int *gen = (unsigned int *)&ctl[@GEN@];
@@ -168,7 +170,8 @@ _LEAD = """unsigned long *ctl = (unsigned long *){0}, *job = (unsigned long *){1
   ((long (*)(long, long, long, long))fns[2])(@SYS@, (long)gen, @WAKE@, 0x7fffffff);
   ((void (*)(unsigned long, unsigned long, int, unsigned long, unsigned long))job[0])(
     job[1], job[2], (int)job[3], job[4], job[5]);
-  __atomic_store_n(&ctl[@JOB@], 0ul, __ATOMIC_SEQ_CST);"""
+  __atomic_store_n(&ctl[@JOB@], 0ul, __ATOMIC_SEQ_CST);
+  while (__atomic_load_n(&ctl[@INSIDE@], __ATOMIC_SEQ_CST)) ((long (*)(void))fns[1])();"""
 _SERVE = """unsigned long *ctl = (unsigned long *){0}, *fns = (unsigned long *){1};
   unsigned int *gen = (unsigned int *)&ctl[@GEN@];
   unsigned int seen = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
@@ -286,7 +289,8 @@ class _FutexPool:
     """Helper threads that wait in C (Linux): each runs `step_serve` for ever, asleep in a futex on the control
     block's generation word between steps; `step_lead` (the stepping thread's one C call) waits until no helper is
     inside a table, resets the step's counters, publishes the job, bumps the generation, wakes the helpers, runs
-    the caller's share and clears the job. No Python and no GIL between a helper's wake-up and its first claim."""
+    the caller's share, clears the job and waits until no helper is inside. No Python and no GIL between a
+    helper's wake-up and its first claim."""
 
     def __init__(self, n: int, sys_futex: int) -> None:
         self.lock = threading.Lock()  # one step at a time on the helpers
