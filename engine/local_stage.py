@@ -79,6 +79,7 @@ class LocalStage(LoadedRange):
         self._seen: set = set()                       # step shapes run before: these run inline
         self._lock = trio.Semaphore(1, max_value=1)
         self._closed = False
+        self._bytes = os.environ.get("MESH_STEP_BYTES", "1") != "0"   # step_now's bytes lane (A/B: 0 leaves it)
 
     # ---- what the peer and mesh.speed use of a worker ----
     async def load(self, path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
@@ -123,7 +124,10 @@ class LocalStage(LoadedRange):
     def step_now(self, cols: Sequence[Column], data, kind: int, dim: int, sampling: SamplingArg) -> StepOut:
         """`step_raw` synchronously, in the calling thread (a Link reader's hook, or the trio thread): for shapes
         that `runs_inline`. trio.WouldBlock when another call holds the stage."""
-        hidden = _hidden(cols, data, kind, dim)
+        # float32 rows as they came (bytes), or none: the bytes lane first (Stage.step_bytes, a decode step replayed
+        # before: bytes in, bytes out, no numpy arrays between), else `step` as for any other
+        lane = self._bytes and (data is None or (kind == PayloadKind.ACT_F32 and type(data) is bytes))
+        hidden = None if lane else _hidden(cols, data, kind, dim)
         if not _TINYGRAD.acquire(blocking=False):
             raise trio.WouldBlock
         try:
@@ -137,12 +141,20 @@ class LocalStage(LoadedRange):
                 raise WorkerCommandError("Step", "no model is loaded: send Load before Step")
             t0 = time.monotonic_ns()
             try:
-                out = self.stage.step(cols, hidden, sampling)
+                fast = self.stage.step_bytes(cols, data, sampling) if lane else None
+                if fast is None:
+                    out = self.stage.step(cols, _hidden(cols, data, kind, dim) if lane else hidden, sampling)
             except EngineError as exc:
                 raise WorkerCommandError("Step", f"{type(exc).__name__}: {exc}") from None
             if self._delay:
                 time.sleep(self._delay)
-            return _step_out(out, t0, time.monotonic_ns())
+            t1 = time.monotonic_ns()
+            if fast is None:
+                return _step_out(out, t0, t1)
+            dtype, shape, raw = fast
+            done = t1 / 1e6
+            return StepOut(KIND_BY_DTYPE[dtype.name], shape[0], shape[1] if len(shape) > 1 else 1, raw,
+                           (t1 - t0) / 1e6, t0 / 1e6, done, done)
         finally:
             self._lock.release()
             _TINYGRAD.release()

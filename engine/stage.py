@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -212,7 +213,8 @@ class Stage:
         # per replayed CPU shape: its buffers' addresses (`_Raw`); MESH_RAW_STEP=0 keeps the generic copies (A/B)
         self._raw: dict[tuple, _Raw] = {}
         self._raw_on = os.environ.get("MESH_RAW_STEP", "1") != "0"
-        self._rope_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # one position's cos/sin rows (decode)
+        self._rope_rows: dict[int, tuple[bytes, bytes]] = {}   # one position's cos/sin rows (decode), float32 bytes
+        self._var_names = None      # the bound variables' names (`_key`)
         self._synced = False    # nothing queued on the device since the last synchronize (the raw path's own steps
                                 # queue nothing: host copies and a replay that returns when its kernels are done)
         self._head_calls: dict[tuple, int] = {}  # per shape assembled from templates: the head's number of kernels
@@ -510,20 +512,7 @@ class Stage:
         # tail: `CpuReplay.headless`), so a prompt's chunks before the last cost no head at all; the jit path (GPUs)
         # computes the row and throws it away
         wanted = bool(picks)
-        if self.last and not picks:
-            picks = (0,)
-        # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
-        # size does not make a new jit; only "every row" is a shape of its own
-        every_row = self.last and picks == tuple(range(size))
-        shape = (size, jit_runs, -1 if every_row else len(picks)) + (("greedy",) if greedy else ())
-        ctx = max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs))
-        # the bound variables' values by name (what a replayed step takes), and the bound UOps themselves only where
-        # a capture or a jit call needs them (each bind is a UOp built through tinygrad's cache)
-        var_vals = {self._vctx.expr: ctx}
-        for i, r in enumerate(runs):
-            var_vals[self._vslot[i].expr], var_vals[self._vpos[i].expr] = int(r[2]), int(r[3])
-        if not every_row:
-            var_vals.update((f"pick{j}", i) for j, i in enumerate(picks))
+        shape, var_vals, picks, every_row, ctx = self._key(runs, jit_runs, size, picks, greedy)
         resident = self._rope_resident
         if (raw := self._raw.get(shape)) is not None:
             return self._run_raw(raw, x_np, runs, size, n_real, var_vals, wanted, greedy, resident)
@@ -580,53 +569,126 @@ class Stage:
             self._after_new_shape()
         return out
 
+    def _key(self, runs, jit_runs, size: int, picks: tuple[int, ...], greedy: bool):
+        """A step's compiled shape and its bound variables' values by name (what a replayed step takes): (shape,
+        var_vals, picks, every_row, ctx). The last stage runs a step without logits columns through the shape of one
+        logits row (picks (0,))."""
+        if self.last and not picks:
+            picks = (0,)
+        # which rows reach the head is a runtime value (bound variables), so a prompt's length inside its padded
+        # size does not make a new jit; only "every row" is a shape of its own
+        every_row = self.last and picks == tuple(range(size))
+        shape = (size, jit_runs, -1 if every_row else len(picks)) + (("greedy",) if greedy else ())
+        ctx = max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs))
+        # the bound UOps themselves are built only where a capture or a jit call needs them (each bind is a UOp
+        # built through tinygrad's cache); their names are read once
+        if (names := self._var_names) is None:
+            names = self._var_names = (self._vctx.expr, [(v.expr, w.expr) for v, w in zip(self._vslot, self._vpos)])
+        var_vals = {names[0]: ctx}
+        for (slot_name, pos_name), r in zip(names[1], runs):
+            var_vals[slot_name], var_vals[pos_name] = int(r[2]), int(r[3])
+        if not every_row:
+            var_vals.update((f"pick{j}", i) for j, i in enumerate(picks))
+        return shape, var_vals, picks, every_row, ctx
+
+    def step_bytes(self, cols: Sequence[Column], data: bytes | None,
+                   sampling: Sampling | Sequence[Sampling] = Sampling()) -> tuple[np.dtype, tuple, bytes] | None:
+        """`step` for a decode step whose shape this stage replayed before on the CPU (`_Raw`), its input rows as
+        float32 bytes (None on the first stage), its output (activations, or the last stage's greedy token ids) as
+        (dtype, shape, bytes): the frame's bytes are copied into the step's input buffer and the output buffer's bytes come
+        back, without the numpy arrays of `step` between (issue 10: this Python runs cold on every stage of every
+        token). The same checks, cache bookkeeping, inputs and replay as `step`, so the same bits. None: not such a
+        step (nothing was done; `step` takes it)."""
+        if not self._raw or (data is not None if self.first else type(data) is not bytes):
+            return None
+        N = len(cols)
+        greedy = False
+        if self.last:
+            try:
+                samplings = samplings_for(sampling, cols)
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
+            greedy = self.greedy_on_device and all(s.temperature == 0.0 for s in samplings)
+        if not self.first and (self.act_dtype != np.float32 or len(data) != N * self.dim * 4):
+            return None
+        runs = self._groups(cols)
+        if len(runs) == 1 and N > 1:        # a prompt's run: chunks (`_forward`)
+            return None
+        picks = tuple(i for i, c in enumerate(cols) if c.needs_logits) if self.last else ()
+        shape, var_vals, _, _, _ = self._key(runs, tuple((col, n) for col, n, _, _ in runs), N, picks, greedy)
+        raw = self._raw.get(shape)
+        if raw is None or (self.last and not picks):
+            return None
+        x = data
+        if self.first:
+            ids = np.array([c.token for c in cols], dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= self.meta.vocab_size:
+                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {ids.min()}..{ids.max()}")
+            x = np.ascontiguousarray(self._embed.lookup(ids), np.float32).tobytes()
+        for _, n, slot, pos in runs:
+            if self._pool.ensure(slot, pos + n) is not None:
+                self._set_table_row(slot)
+        out = self._run_raw(raw, x, runs, N, N, var_vals, True, greedy, self._rope_resident,
+                            as_bytes=not self.last or greedy)
+        for _, n, slot, pos in runs:
+            self._lengths[slot] = pos + n
+        if self.last and not greedy:      # the logits' rows: tokens picked here, as `step` picks them
+            if len(samplings) != len(picks):
+                samplings = samplings * len(picks)
+            ids = np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], np.int32)
+            return ids.dtype, ids.shape, ids.tobytes()
+        return raw.out_dtype, (raw.out_shape if self.last else (N, *raw.out_shape[1:])), out
+
     @staticmethod
     def _positions(runs, size: int, n_real: int) -> np.ndarray:
         if size > n_real:   # one run, padded: the pad rows take the positions after it
             return np.arange(runs[0][3], runs[0][3] + size, dtype=np.int64)
         return np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
 
-    def _run_raw(self, raw: _Raw, x_np: np.ndarray, runs, size: int, n_real: int, var_vals: dict, wanted: bool,
-                 greedy: bool, resident: bool) -> np.ndarray:
+    def _run_raw(self, raw: _Raw, x_np: np.ndarray | bytes, runs, size: int, n_real: int, var_vals: dict,
+                 wanted: bool, greedy: bool, resident: bool, as_bytes: bool = False) -> np.ndarray | bytes:
         """`_run` of a shape replayed before (`_Raw`): the same inputs written, the same replay, the same output
         rows, through raw host copies. A decode step's rope rows are computed once per position, by the same call
-        as `_run`'s (one position), so the bits are the same."""
+        as `_run`'s (one position), so the bits are the same. `x_np` may be the rows' float32 bytes already, and
+        `as_bytes` returns the output rows' bytes (`step_bytes`)."""
         if not self._synced:   # what this stage's tinygrad calls queued before (a step through the jit)
             raw.dev.synchronize()
             self._synced = True
-        x = np.ascontiguousarray(x_np, np.float32)
-        ctypes.memmove(raw.x, x.ctypes.data, x.nbytes)
+        if type(x_np) is not bytes:
+            x_np = np.ascontiguousarray(x_np, np.float32).tobytes()
+        ctypes.memmove(raw.x, x_np, len(x_np))
         if not resident:
             if size == 1:
                 rows = self._rope_rows.get(pos := int(runs[0][3]))
                 if rows is None:
                     rows = self._rope_row(pos)
             else:
-                rows = rope_inputs(self.meta, self._positions(runs, size, n_real))
-            for addr, a in zip((raw.cos, raw.sin), rows):
-                a = np.ascontiguousarray(a, np.float32)
-                ctypes.memmove(addr, a.ctypes.data, a.nbytes)
+                rows = [np.ascontiguousarray(a, np.float32).tobytes()
+                        for a in rope_inputs(self.meta, self._positions(runs, size, n_real))]
+            ctypes.memmove(raw.cos, rows[0], len(rows[0]))
+            ctypes.memmove(raw.sin, rows[1], len(rows[1]))
         self._dirty.update(int(r[2]) for r in runs)
         if self.last and not wanted:
             raw.replay.headless(var_vals)
             return np.zeros(0, np.int32) if greedy else np.zeros((0, self.meta.vocab_size), dtype=np.float32)
         raw.replay(var_vals)
-        if not self.last:
-            out = np.empty((n_real, *raw.out_shape[1:]), raw.out_dtype)
-        else:
-            out = np.empty(raw.out_shape, raw.out_dtype)
+        shape = raw.out_shape if self.last else (n_real, *raw.out_shape[1:])
+        if as_bytes:
+            return ctypes.string_at(raw.out, raw.out_dtype.itemsize * math.prod(shape))
+        out = np.empty(shape, raw.out_dtype)
         ctypes.memmove(out.ctypes.data, raw.out, out.nbytes)
         return out
 
-    def _rope_row(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rope_row(self, pos: int) -> tuple[bytes, bytes]:
         """Position `pos`'s cos/sin rows, computed with the ROPE_BLOCK positions around it in one `rope_inputs` call
         (each a (1, R/2) row). Elementwise float64 math and numpy's cos/sin give a row the same bits in a block as
         alone (checked for positions 0..8191 on numpy 2.4, x86); a decode step then costs a dict lookup, not
         ~10 numpy calls on cold caches."""
         p0 = pos - pos % ROPE_BLOCK
         cos, sin = rope_inputs(self.meta, np.arange(p0, min(p0 + ROPE_BLOCK, self.max_context), dtype=np.int64))
-        for i in range(len(cos)):
-            self._rope_rows[p0 + i] = (cos[i:i + 1], sin[i:i + 1])
+        for i in range(len(cos)):   # as the step's input bytes (float32)
+            self._rope_rows[p0 + i] = (np.ascontiguousarray(cos[i:i + 1], np.float32).tobytes(),
+                                       np.ascontiguousarray(sin[i:i + 1], np.float32).tobytes())
         return self._rope_rows[pos]
 
     def _replay_for(self, shape, fn, inputs) -> None:

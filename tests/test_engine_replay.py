@@ -138,3 +138,42 @@ def test_raw_step_is_bitwise_the_generic_copies(model, monkeypatch):
     monkeypatch.setenv("MESH_CPU_THREADS", "2")
     raw, generic = run(True), run(False)
     assert len(raw) == len(generic) and all(a.tobytes() == b.tobytes() for a, b in zip(raw, generic))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_step_bytes_is_bitwise_step(model, monkeypatch, threads):
+    """`Stage.step_bytes` (a replayed decode step, bytes in and out: what a peer's stage runs) gives the bits of
+    `step` on a split model, first, middle and last stage (its tokens, greedy and seeded), across a rope block's
+    edge; a step it does not take (a prompt's run) is None and changes nothing."""
+    from common.values import Sampling
+    monkeypatch.setenv("MESH_CPU_THREADS", threads)
+    cuts = [(0, 1), (1, 2), (2, 3)]
+    ref = [Stage.load(model, a, b, n_slots=2, max_context=128) for a, b in cuts]
+    lane = [Stage.load(model, a, b, n_slots=2, max_context=128) for a, b in cuts]
+    n = stage_mod.ROPE_BLOCK - 4
+    prompt = [Column(i, 0, i == n - 1, (5 * i + 1) % 50) for i in range(n)]
+    assert lane[0].step_bytes(prompt, None) is None and lane[0]._lengths[0] == 0
+    for chain in (ref, lane):
+        chain[2].step(prompt, chain[1].step(prompt, chain[0].step(prompt)))
+
+    def step(stage, cols, data, *sampling):
+        got = stage.step_bytes(cols, data, *sampling)
+        if got is not None:
+            return got[2], 1
+        hidden = None if data is None else np.frombuffer(data, np.float32).reshape(len(cols), -1)
+        return stage.step(cols, hidden, *sampling).tobytes(), 0   # a shape's first replay: the generic path
+
+    tok, taken = 7, 0
+    for pos in range(n, n + 8):
+        s = Sampling() if pos % 2 else Sampling(temperature=0.8, top_k=20, seed=3)
+        cols = [Column(pos, 0, True, tok)]
+        h0 = ref[0].step(cols)
+        h1 = ref[1].step(cols, h0)
+        want = ref[2].step(cols, h1, s)
+        g0, t0 = step(lane[0], cols, None)
+        g1, t1 = step(lane[1], cols, g0)
+        g2, t2 = step(lane[2], cols, g1, s)
+        assert (g0, g1, g2) == (h0.tobytes(), h1.tobytes(), want.tobytes())
+        taken += t0 + t1 + t2
+        tok = int(want[0])
+    assert taken >= 3 * 6       # every stage's later steps took the lane
