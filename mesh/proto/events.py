@@ -341,6 +341,10 @@ _BS_HEAD = struct.Struct("<IBI")          # group, wide, number of columns
 _BS_COL = _ColumnsField.rec               # pos, slot, needs_logits, token
 _BS_ACT = struct.Struct("<BB")            # dtype code, ndim
 _BS_SAMP = _SamplingField.st
+# A sequence's steps carry the same samplings step after step: their decoded (immutable, checked) values by their
+# bytes, so a decode step builds and checks no Sampling (a handful of entries; a value that fails its checks is
+# never kept)
+_BS_SAMPLINGS: dict[bytes, tuple] = {}
 
 
 def _encode_batch_step(ev: "BatchStep") -> list | None:
@@ -386,7 +390,12 @@ def _decode_batch_step(view: memoryview) -> "BatchStep | None":
             end = at + math.prod(shape) * DTYPES[dtype][1]
             if end > len(view):
                 return None
-            hidden = Activation(dtype, shape, bytes(view[at:end]))
+            # Activation's own checks hold by construction here (a known dtype code, at most MAX_NDIM unsigned
+            # dims, exactly their bytes): built without running them again (cold Python on every stage)
+            hidden = object.__new__(Activation)
+            object.__setattr__(hidden, "dtype", dtype)
+            object.__setattr__(hidden, "shape", shape)
+            object.__setattr__(hidden, "data", bytes(view[at:end]))
             at = end
         elif present != 0:
             return None
@@ -394,8 +403,14 @@ def _decode_batch_step(view: memoryview) -> "BatchStep | None":
         at += _COUNT.size
         if at + m * _BS_SAMP.size != len(view):
             return None
-        return BatchStep(group, wide == 1, tuple(cols), hidden,
-                         tuple(Sampling(*rec) for rec in _BS_SAMP.iter_unpack(view[at:])))
+        raw = bytes(view[at:])
+        sampling = _BS_SAMPLINGS.get(raw)
+        if sampling is None:
+            sampling = tuple(Sampling(*rec) for rec in _BS_SAMP.iter_unpack(raw))
+            if len(_BS_SAMPLINGS) >= 64:
+                _BS_SAMPLINGS.clear()
+            _BS_SAMPLINGS[raw] = sampling
+        return BatchStep(group, wide == 1, tuple(cols), hidden, sampling)
     except (struct.error, ValueError, TypeError, IndexError):
         return None
 
