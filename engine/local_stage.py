@@ -49,6 +49,8 @@ __all__ = ["LocalStage", "open_stage_host", "stage_in_process"]
 # LocalStage, and a test process may hold several stages): they take this lock; an inline step (a replay of compiled
 # kernels) runs only while no thread holds it.
 _TINYGRAD = threading.Lock()
+# a step output's payload kind by its numpy dtype (numpy's `dtype.name` is Python code: ~28 us cold, per step)
+_KIND_OF = {np.dtype(name): kind for name, kind in KIND_BY_DTYPE.items()}
 
 
 def _locked(fn, *args):
@@ -153,7 +155,7 @@ class LocalStage(LoadedRange):
                 return _step_out(out, t0, t1)
             dtype, shape, raw = fast
             done = t1 / 1e6
-            return StepOut(KIND_BY_DTYPE[dtype.name], shape[0], shape[1] if len(shape) > 1 else 1, raw,
+            return StepOut(_KIND_OF[dtype], shape[0], shape[1] if len(shape) > 1 else 1, raw,
                            (t1 - t0) / 1e6, t0 / 1e6, done, done)
         finally:
             self._lock.release()
@@ -261,7 +263,7 @@ def _hidden(cols, data, kind: int, dim: int) -> np.ndarray | None:
 
 def _step_out(out: np.ndarray, t0_ns: int, t1_ns: int) -> StepOut:
     out = np.ascontiguousarray(out)
-    kind = KIND_BY_DTYPE.get(out.dtype.name)
+    kind = _KIND_OF.get(out.dtype)
     if kind is None:
         raise WorkerError(f"step output has dtype {out.dtype}, which no hop carries")
     rows, cols = (out.shape[0], 1) if out.ndim == 1 else out.shape

@@ -620,11 +620,11 @@ class Stage:
         if raw is None or (self.last and not picks):
             return None
         x = data
-        if self.first:
-            ids = np.array([c.token for c in cols], dtype=np.int64)
-            if ids.min() < 0 or ids.max() >= self.meta.vocab_size:
-                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {ids.min()}..{ids.max()}")
-            x = np.ascontiguousarray(self._embed.lookup(ids), np.float32).tobytes()
+        if self.first:      # (Python's min and max: numpy's run Python wrappers, cold)
+            toks = [c.token for c in cols]
+            if min(toks) < 0 or max(toks) >= self.meta.vocab_size:
+                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {min(toks)}..{max(toks)}")
+            x = np.ascontiguousarray(self._embed.lookup(np.array(toks, dtype=np.int64)), np.float32).tobytes()
         for _, n, slot, pos in runs:
             if self._pool.ensure(slot, pos + n) is not None:
                 self._set_table_row(slot)
