@@ -215,6 +215,8 @@ class Stage:
         self._raw_on = os.environ.get("MESH_RAW_STEP", "1") != "0"
         self._rope_rows: dict[int, tuple[bytes, bytes]] = {}   # one position's cos/sin rows (decode), float32 bytes
         self._var_names = None      # the bound variables' names (`_key`)
+        self._plans: dict[bool, tuple] = {}     # one column's step: its shape and variable names (`_step_one`)
+        self._lean_on = os.environ.get("MESH_STEP_LEAN", "1") != "0"
         self._synced = False    # nothing queued on the device since the last synchronize (the raw path's own steps
                                 # queue nothing: host copies and a replay that returns when its kernels are done)
         self._head_calls: dict[tuple, int] = {}  # per shape assembled from templates: the head's number of kernels
@@ -602,6 +604,8 @@ class Stage:
         if not self._raw or (data is not None if self.first else type(data) is not bytes):
             return None
         N = len(cols)
+        if N == 1 and self._lean_on:
+            return self._step_one(cols[0], data, sampling)
         greedy = False
         if self.last:
             try:
@@ -638,6 +642,70 @@ class Stage:
             ids = np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], np.int32)
             return ids.dtype, ids.shape, ids.tobytes()
         return raw.out_dtype, (raw.out_shape if self.last else (N, *raw.out_shape[1:])), out
+
+    def _step_one(self, c: Column, data: bytes | None, sampling) -> tuple[np.dtype, tuple, bytes] | None:
+        """`step_bytes` of one column (a single stream's decode step: every stage of every token), the same checks,
+        bookkeeping, inputs and replay in straight-line code: `_groups`, `_key` and `_run_raw` build runs, tuples,
+        generators and a dict of names for the general case, ~30 Python calls that run cold (the other stages
+        stream their weights through the caches between two tokens). The shape's key and variable names are built
+        by `_key` once (per greedy or not) and kept (`_plans`); MESH_STEP_LEAN=0 takes the general way (A/B)."""
+        last, slot, pos = self.last, c.slot, c.pos
+        greedy = False
+        if last:
+            try:
+                samplings = samplings_for(sampling, (c,))
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
+            greedy = self.greedy_on_device and samplings[0].temperature == 0.0
+            if not c.needs_logits:
+                return None
+        if not self.first and (self.act_dtype != np.float32 or len(data) != self.dim * 4):
+            return None
+        self._check_slot(slot)          # `_groups`' checks, for one column
+        if not 0 <= pos < self.max_context:
+            raise RangeError(f"column 0: position {pos} is outside [0, {self.max_context})")
+        if pos > self._lengths[slot]:
+            raise RangeError(f"column 0: position {pos} skips ahead of slot {slot}, which holds "
+                             f"[0, {self._lengths[slot]})")
+        plan = self._plans.get(greedy)
+        if plan is None:
+            shape, var_vals, _, _, _ = self._key([(0, 1, slot, pos)], ((0, 1),), 1, (0,) if last else (), greedy)
+            names = self._var_names
+            # every name `_key` binds for one run: ctx (pos + 1), the first run's slot and position (the last
+            # stage's one row is "every row": no pick variables)
+            if set(var_vals) != {names[0], *names[1][0]}:
+                return None
+            plan = self._plans[greedy] = (shape, names[0], *names[1][0])
+        shape, ctx_name, slot_name, pos_name = plan
+        raw = self._raw.get(shape)
+        if raw is None:
+            return None
+        if self.first:
+            if not 0 <= c.token < self.meta.vocab_size:
+                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {c.token}..{c.token}")
+            data = np.ascontiguousarray(self._embed.lookup(np.array([c.token], dtype=np.int64)), np.float32).tobytes()
+        if self._pool.ensure(slot, pos + 1) is not None:
+            self._set_table_row(slot)
+        if not self._synced:   # (`_run_raw`)
+            raw.dev.synchronize()
+            self._synced = True
+        ctypes.memmove(raw.x, data, len(data))
+        if not self._rope_resident:
+            rows = self._rope_rows.get(pos)
+            if rows is None:
+                rows = self._rope_row(pos)
+            ctypes.memmove(raw.cos, rows[0], len(rows[0]))
+            ctypes.memmove(raw.sin, rows[1], len(rows[1]))
+        self._dirty.add(int(slot))
+        raw.replay({ctx_name: pos + 1, slot_name: int(slot), pos_name: int(pos)})
+        self._lengths[slot] = pos + 1
+        if last and not greedy:      # the logits' row: the token picked here, as `step` picks it
+            out = np.empty(raw.out_shape, raw.out_dtype)
+            ctypes.memmove(out.ctypes.data, raw.out, out.nbytes)
+            ids = np.array([pick_token(out[0], samplings[0], pos)], np.int32)
+            return ids.dtype, ids.shape, ids.tobytes()
+        out_shape = raw.out_shape if last else (1, *raw.out_shape[1:])
+        return raw.out_dtype, out_shape, ctypes.string_at(raw.out, raw.out_dtype.itemsize * math.prod(out_shape))
 
     @staticmethod
     def _positions(runs, size: int, n_real: int) -> np.ndarray:

@@ -140,13 +140,17 @@ def test_raw_step_is_bitwise_the_generic_copies(model, monkeypatch):
     assert len(raw) == len(generic) and all(a.tobytes() == b.tobytes() for a, b in zip(raw, generic))
 
 
-@pytest.mark.parametrize("threads", ["1", "2"])
-def test_step_bytes_is_bitwise_step(model, monkeypatch, threads):
+@pytest.mark.parametrize("threads,lean", [("1", "1"), ("2", "1"), ("2", "0")])
+def test_step_bytes_is_bitwise_step(model, monkeypatch, threads, lean):
     """`Stage.step_bytes` (a replayed decode step, bytes in and out: what a peer's stage runs) gives the bits of
     `step` on a split model, first, middle and last stage (its tokens, greedy and seeded), across a rope block's
-    edge; a step it does not take (a prompt's run) is None and changes nothing."""
+    edge, through one column's straight-line path (`_step_one`) and the general one (MESH_STEP_LEAN=0); a step it
+    does not take (a prompt's run) is None and changes nothing; a column it refuses is refused as `step` refuses
+    it, with nothing changed."""
     from common.values import Sampling
+    from engine.errors import RangeError
     monkeypatch.setenv("MESH_CPU_THREADS", threads)
+    monkeypatch.setenv("MESH_STEP_LEAN", lean)
     cuts = [(0, 1), (1, 2), (2, 3)]
     ref = [Stage.load(model, a, b, n_slots=2, max_context=128) for a, b in cuts]
     lane = [Stage.load(model, a, b, n_slots=2, max_context=128) for a, b in cuts]
@@ -177,3 +181,13 @@ def test_step_bytes_is_bitwise_step(model, monkeypatch, threads):
         taken += t0 + t1 + t2
         tok = int(want[0])
     assert taken >= 3 * 6       # every stage's later steps took the lane
+    end = n + 8
+    for bad in (Column(end + 1, 0, True, tok), Column(end, 2, True, tok), Column(128, 0, True, tok)):
+        for stage, data in ((lane[0], None), (lane[1], g0)):
+            with pytest.raises(RangeError) as lean_err:
+                stage.step_bytes([bad], data)
+            with pytest.raises(RangeError) as ref_err:
+                stage.step([bad], None if data is None else np.frombuffer(data, np.float32).reshape(1, -1))
+            assert str(lean_err.value) == str(ref_err.value) and stage._lengths[0] == end
+    with pytest.raises(RangeError, match="token ids"):
+        lane[0].step_bytes([Column(end, 0, True, 10**6)], None)
