@@ -327,6 +327,21 @@ class Stage:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.n_slots):
             raise RangeError(f"slot {slot} is outside [0, {self.n_slots})")
 
+    def _check_position(self, col: int, pos: int) -> None:
+        if not 0 <= pos < self.max_context:
+            raise RangeError(f"column {col}: position {pos} is outside [0, {self.max_context})")
+
+    def _check_start(self, col: int, slot: int, pos: int) -> None:
+        """A run of a slot starts at most at the slot's length (no gap in its cache)."""
+        if pos > self._lengths[slot]:
+            raise RangeError(f"column {col}: position {pos} skips ahead of slot {slot}, which holds "
+                             f"[0, {self._lengths[slot]})")
+
+    def _check_tokens(self, lo: int, hi: int) -> None:
+        """The first stage's token ids, by their least and greatest."""
+        if lo < 0 or hi >= self.meta.vocab_size:
+            raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {lo}..{hi}")
+
     def zero_slot(self, slot: int) -> None:
         """Forget everything slot `slot` holds and give its KV blocks back (a sliding-window ring is cleared too,
         if a step wrote it since it was last clear: untouched cache pages stay unmapped)."""
@@ -409,8 +424,7 @@ class Stage:
         runs: list[list[int]] = []
         for i, c in enumerate(cols):
             self._check_slot(c.slot)
-            if not 0 <= c.pos < self.max_context:
-                raise RangeError(f"column {i}: position {c.pos} is outside [0, {self.max_context})")
+            self._check_position(i, c.pos)
             if runs and runs[-1][2] == c.slot and runs[-1][3] + runs[-1][1] == c.pos:
                 runs[-1][1] += 1
             else:
@@ -420,9 +434,7 @@ class Stage:
             if slot in seen:
                 raise RangeError(f"slot {slot} appears in two separate runs of one step")
             seen.add(slot)
-            if pos > self._lengths[slot]:
-                raise RangeError(f"column {col}: position {pos} skips ahead of slot {slot}, which holds "
-                                 f"[0, {self._lengths[slot]})")
+            self._check_start(col, slot, pos)
         return [tuple(r) for r in runs]  # type: ignore[misc]
 
     def step(self, cols: Sequence[Column], hidden: np.ndarray | None = None,
@@ -461,8 +473,7 @@ class Stage:
             if hidden is not None:
                 raise EngineError("the first stage takes tokens from the columns, not hidden activations")
             ids = np.array([c.token for c in cols], dtype=np.int64)
-            if ids.min() < 0 or ids.max() >= self.meta.vocab_size:
-                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {ids.min()}..{ids.max()}")
+            self._check_tokens(ids.min(), ids.max())
             x_np = self._embed.lookup(ids)
         else:
             if hidden is None:
@@ -626,8 +637,7 @@ class Stage:
         x = data
         if self.first:      # (Python's min and max: numpy's run Python wrappers, cold)
             toks = [c.token for c in cols]
-            if min(toks) < 0 or max(toks) >= self.meta.vocab_size:
-                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {min(toks)}..{max(toks)}")
+            self._check_tokens(min(toks), max(toks))
             x = np.ascontiguousarray(self._embed.lookup(np.array(toks, dtype=np.int64)), np.float32).tobytes()
         for _, n, slot, pos in runs:
             if self._pool.ensure(slot, pos + n) is not None:
@@ -662,11 +672,8 @@ class Stage:
         if not self.first and (self.act_dtype != np.float32 or len(data) != self.dim * 4):
             return None
         self._check_slot(slot)          # `_groups`' checks, for one column
-        if not 0 <= pos < self.max_context:
-            raise RangeError(f"column 0: position {pos} is outside [0, {self.max_context})")
-        if pos > self._lengths[slot]:
-            raise RangeError(f"column 0: position {pos} skips ahead of slot {slot}, which holds "
-                             f"[0, {self._lengths[slot]})")
+        self._check_position(0, pos)
+        self._check_start(0, slot, pos)
         plan = self._plans.get(greedy)
         if plan is None:
             shape, var_vals, _, _, _ = self._key([(0, 1, slot, pos)], ((0, 1),), 1, (0,) if last else (), greedy)
@@ -681,8 +688,7 @@ class Stage:
         if raw is None:
             return None
         if self.first:
-            if not 0 <= c.token < self.meta.vocab_size:
-                raise RangeError(f"token ids must lie in [0, {self.meta.vocab_size}), got {c.token}..{c.token}")
+            self._check_tokens(c.token, c.token)
             data = np.ascontiguousarray(self._embed.lookup(np.array([c.token], dtype=np.int64)), np.float32).tobytes()
         if self._pool.ensure(slot, pos + 1) is not None:
             self._set_table_row(slot)
