@@ -144,12 +144,6 @@ class Peer:
         # process that does other things; MESH_HOT_WAIT=1/0 forces it either way (A/B: bench/mesh_bench.py --ab)
         hot = os.environ.get("MESH_HOT_WAIT", "auto")
         self.hot_wait = hot == "1" or (hot == "auto" and cfg.stage_in_peer == "auto")
-        # MESH_YIELD_AFTER_WRITE=1: after a step's forward is written from the reader the peer gives up its CPU
-        # once (sched_yield), in case the successor's wake-up (a TCP write wakes the reader "sync", expecting the
-        # writer to sleep) queued it on this CPU behind this peer's bookkeeping and its way back to the poll. Opt-in:
-        # the successor's hop in shrank, its compute grew by about as much (the deferred tail runs during it);
-        # eight A/B runs were not a clear win (NOTES "The hot path on 2 cores, eighth session")
-        self.yield_after_write = os.environ.get("MESH_YIELD_AFTER_WRITE", "0") == "1"
         self.reader_held = 0                # steps computed there whose output the op loop had to send
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
@@ -366,8 +360,6 @@ class Peer:
             self._posted[link] = (ev, _Held(reply, out, link.arrived, link.decoded), t0, t1)
             self.reader_held += 1
             return False
-        if self.yield_after_write:
-            os.sched_yield()
         self.compute.release()
         self.reader_steps += 1
         self._done(ev, out, out_link, t0, t1, link.arrived, link.decoded)
