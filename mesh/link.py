@@ -152,6 +152,12 @@ class Link:
         as soon as it is decoded, in the reader task: True means the callee consumed it (it is not queued). What a
         hot path hangs here skips one pass of trio's scheduler (the wake-up of the task in `receive`). It must not
         block or raise; it may start work for an event it leaves queued (a peer rings its worker)."""
+        self.fast: Callable[[memoryview], bool] | None = None
+        self.fast_type = -1
+        """`fast`, when set, is called by the reader with the plaintext (type byte first) of a `fast_type` frame
+        that arrived whole in one read while nothing was queued, before it is decoded: True means it consumed the
+        frame (nothing is decoded or queued); False, that it did nothing (the frame is decoded and goes to `take`
+        or the queue). It must not block or raise. A peer's steady decode step (mesh/proto/steady.py)."""
 
     # ------------------------------------------------------------------------------------------------ public
 
@@ -176,22 +182,35 @@ class Link:
         await self._write(prepared)
 
     def send_nowait(self, event: proto.Event) -> bool:
-        """Send one flow-controlled event now, from synchronous code (a `take` hook), if nothing stands in the way:
-        the link is a TCP stream, no other write is in progress, there is credit. True: it was written; the bytes the
-        socket did not take at once go out, before any later frame, from the link's control task. False: nothing was
-        sent (use `send`). Raises what `send` raises once the frame was sealed and the connection failed."""
-        if self._failure is not None or self._sent_shutdown or not flow_controlled(event.TYPE) \
-                or self._send_lock.locked() or self._tail or not self._flow.can_send():
-            return False
-        fd = _socket_fd(self.stream)
-        if fd is None:
+        """Send one flow-controlled event now, from synchronous code (a `take` hook), if nothing stands in the way
+        (`can_send_nowait`). True: it was written; the bytes the socket did not take at once go out, before any
+        later frame, from the link's control task. False: nothing was sent (use `send`). Raises what `send` raises
+        once the frame was sealed and the connection failed."""
+        if not flow_controlled(event.TYPE) or not self.can_send_nowait():
             return False
         prepared = self._codec.prepare(event)
         self._flow.on_sent(frame_cost(prepared.size))
-        data = b"".join(self._codec.frame(prepared))    # sealed now: from here on the frame must reach the wire
+        self._write_now(b"".join(self._codec.frame(prepared)))    # sealed now: the frame must reach the wire
+        return True
+
+    def can_send_nowait(self) -> bool:
+        """Whether a frame can be written at once from synchronous code: the link is up and a TCP stream, no other
+        write is in progress or left unfinished, and there is credit."""
+        return self._failure is None and not self._sent_shutdown and not self._send_lock.locked() \
+            and not self._tail and self._flow.can_send() and _socket_fd(self.stream) is not None
+
+    def send_plain_nowait(self, plain: bytes) -> None:
+        """Seal and write a flow-controlled frame whose plaintext (type byte, payload) the caller wrote
+        (mesh/proto/steady.py), right after `can_send_nowait` said it can. ValueError if it is too large."""
+        data = self._codec.seal_plain(plain)
+        self._flow.on_sent(frame_cost(len(data)))
+        self._write_now(data)
+
+    def _write_now(self, data: bytes) -> None:
+        fd = _socket_fd(self.stream)
         self.wrote = time.perf_counter()
         try:
-            sent = os.write(fd, data)
+            sent = os.write(fd, data)  # type: ignore[arg-type]
         except BlockingIOError:
             sent = 0
         except OSError as exc:
@@ -200,7 +219,6 @@ class Link:
         if sent < len(data):
             self._tail = data[sent:]
             self._wake_control.set()
-        return True
 
     async def receive(self) -> proto.Event:
         """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
@@ -209,10 +227,7 @@ class Link:
             self._raise_if_failed()
             await self._queue_lot.park()
         event, cost = self._queue.popleft()
-        update = self._flow.on_consumed(cost)
-        if update is not None:
-            self._credit_owed += update.credit
-            self._wake_control.set()
+        self._consumed(cost)
         if isinstance(event, proto.Error):
             raise RemoteError(event.code, clean(event.reason))
         return event
@@ -373,11 +388,17 @@ class Link:
 
     async def _reader(self) -> None:
         try:
-            while self._drain():
+            going = self._drain()
+            while going:
                 data = await self._hot_receive() if self.hot else None
                 if data is None:
                     data = await self.stream.receive_some(RECEIVE_SIZE)
-                self._received(data)
+                whole = self._whole(data) if self.fast is not None else None
+                if whole is None:
+                    self._received(data)
+                    going = self._drain()
+                else:
+                    going = whole
         except proto.ProtocolError as exc:
             self._fail(ProtocolViolation(exc.code, exc.reason), final=proto.Error(exc.code, exc.reason))
         except trio.BrokenResourceError as exc:
@@ -486,42 +507,76 @@ class Link:
             if event is proto.EOF:
                 self._fail(LinkClosed("the peer closed the connection"))
                 return False
-            if isinstance(event, proto.Ping):
-                self._pong_owed = event.nonce
-                self._wake_control.set()
-            elif isinstance(event, proto.Pong):
-                self._liveness.on_pong(event.nonce, trio.current_time())  # type: ignore[union-attr]
-            elif isinstance(event, proto.WindowUpdate):
-                self._flow.on_window_update(event)
-                self._credit_lot.unpark_all()
-            elif isinstance(event, proto.Shutdown):
-                self._fail(LinkClosed("the peer shut the link down"))
+            if not self._handle(event, frame_cost(self._codec.last_size)):
                 return False
-            elif not flow_controlled(event.TYPE):
-                raise proto.ProtocolError(proto.ErrorCode.UNEXPECTED,
-                                          f"{type(event).__name__} after the handshake is complete")
-            else:
-                cost = frame_cost(self._codec.last_size)
-                try:
-                    self._flow.on_received(cost)
-                except proto.ProtocolError:
-                    if not isinstance(event, proto.Error):
-                        raise
-                    # A peer may send its last word beyond its credit: it closes right after. Keep it, stop reading.
-                    self._queue.append((event, 0))
-                    self._fail(LinkClosed("the peer closed the link after an error"))
-                    return False
-                self.decoded = time.perf_counter()
-                if self.take is not None and not self._queue and not isinstance(event, proto.Error) \
-                        and self.take(event):
-                    self.took = self.decoded
-                    update = self._flow.on_consumed(cost)
-                    if update is not None:
-                        self._credit_owed += update.credit
-                        self._wake_control.set()
-                    continue
-                self._queue.append((event, cost))
-                self._queue_lot.unpark()
+
+    def _whole(self, data: bytes) -> bool | None:
+        """`data` read while nothing was buffered, when it is exactly one sealed frame (`Codec.open_whole`): a
+        flow-controlled one is offered to `fast` undecoded; what `fast` leaves is decoded and handled as `_drain`
+        handles it. True: handled; False: handled, and the link has ended; None: not such a chunk (nothing done)."""
+        if self._queue:
+            return None
+        plain = self._codec.open_whole(data)
+        if plain is None:
+            return None
+        self.arrived = time.perf_counter()
+        self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
+        cost = frame_cost(len(data))
+        if plain[0] == self.fast_type:
+            self._flow.on_received(cost)
+            self.decoded = self.arrived
+            if self.fast(plain):   # type: ignore[misc]
+                self.took = self.decoded
+                self._consumed(cost)
+                return True
+            return self._deliver(self._codec.decode_opened(plain), cost)
+        return self._handle(self._codec.decode_opened(plain), cost)
+
+    def _handle(self, event: proto.Event, cost: int) -> bool:
+        """Act on one decoded event (answer, apply, or queue it); False once the link has ended."""
+        if isinstance(event, proto.Ping):
+            self._pong_owed = event.nonce
+            self._wake_control.set()
+        elif isinstance(event, proto.Pong):
+            self._liveness.on_pong(event.nonce, trio.current_time())  # type: ignore[union-attr]
+        elif isinstance(event, proto.WindowUpdate):
+            self._flow.on_window_update(event)
+            self._credit_lot.unpark_all()
+        elif isinstance(event, proto.Shutdown):
+            self._fail(LinkClosed("the peer shut the link down"))
+            return False
+        elif not flow_controlled(event.TYPE):
+            raise proto.ProtocolError(proto.ErrorCode.UNEXPECTED,
+                                      f"{type(event).__name__} after the handshake is complete")
+        else:
+            try:
+                self._flow.on_received(cost)
+            except proto.ProtocolError:
+                if not isinstance(event, proto.Error):
+                    raise
+                # A peer may send its last word beyond its credit: it closes right after. Keep it, stop reading.
+                self._queue.append((event, 0))
+                self._fail(LinkClosed("the peer closed the link after an error"))
+                return False
+            self.decoded = time.perf_counter()
+            return self._deliver(event, cost)
+        return True
+
+    def _deliver(self, event: proto.Event, cost: int) -> bool:
+        """A flow-controlled event, counted: to `take`, else to the queue."""
+        if self.take is not None and not self._queue and not isinstance(event, proto.Error) and self.take(event):
+            self.took = self.decoded
+            self._consumed(cost)
+        else:
+            self._queue.append((event, cost))
+            self._queue_lot.unpark()
+        return True
+
+    def _consumed(self, cost: int) -> None:
+        update = self._flow.on_consumed(cost)
+        if update is not None:
+            self._credit_owed += update.credit
+            self._wake_control.set()
 
     async def _control(self) -> None:
         liveness = self._liveness

@@ -145,6 +145,12 @@ class Peer:
         hot = os.environ.get("MESH_HOT_WAIT", "auto")
         self.hot_wait = hot == "1" or (hot == "auto" and cfg.stage_in_peer == "auto")
         self.reader_held = 0                # steps computed there whose output the op loop had to send
+        # A one-column decode step of the shape this link's last step had is computed from its frame's plaintext,
+        # undecoded, and its reply's plaintext written directly (`_steady_step`, mesh/proto/steady.py);
+        # MESH_STEADY=0 decodes every step (A/B: bench/mesh_bench.py --ab)
+        self.steady_on = os.environ.get("MESH_STEADY", "1") != "0"
+        self._steady: dict = {}             # link -> the SteadyStep of its last step computed in the reader
+        self.steady_steps = 0               # steps computed that way
         self.forward: Forward | None = None
         self.vocab: tuple[bytes, ...] = ()
         self.report = DonorReport(show_text=cfg.show_text)
@@ -288,9 +294,13 @@ class Peer:
         link.take = functools.partial(self._run_step_now if local else self._take_step, link) \
             if local or self.ring_from_reader else None
         link.hot = local and self.hot_wait
+        if local and self.steady_on:
+            link.fast, link.fast_type = functools.partial(self._steady_step, link), proto.MsgType.BATCH_STEP
         try:
             await self._op_loop(link, nursery, control)
         finally:
+            link.fast = None
+            self._steady.pop(link, None)
             if link.hot:
                 log.info("%s link: %d steps computed in its reader, %d reads by the hot wait",
                          "control" if control else "hop", self.reader_steps, link.hot_reads)
@@ -362,7 +372,64 @@ class Peer:
             return False
         self.compute.release()
         self.reader_steps += 1
-        self._done(ev, out, out_link, t0, t1, link.arrived, link.decoded)
+        self._done(ev.columns, out, out_link, t0, t1, link.arrived, link.decoded)
+        if self.steady_on and len(ev.columns) == 1 and link.fast is not None:
+            known = self._steady.get(link)
+            if known is None or not known.fits(ev):
+                self._steady[link] = proto.SteadyStep(ev)     # the next step of this sequence takes `_steady_step`
+        return True
+
+    def _steady_step(self, link, plain: memoryview) -> bool:
+        """The Link reader's `fast` hook: a BatchStep's plaintext, before it is decoded. When it is the next step
+        of the sequence this link's last step belonged to (`SteadyStep.match`: the same in every byte but the
+        group, position, token and rows) and it would run in the reader now (as `_run_step_now`, and its reply
+        can be written at once), it is computed here and its reply written from plaintext built directly: no
+        event decoded, built or encoded on the way (~0.2 ms of cold Python a stage a token on 2 cores). True:
+        done. False: nothing was done (the frame is decoded and goes the usual way). Never raises."""
+        steady = self._steady.get(link)
+        if steady is None or self.forward is None or link not in self._waiting or self.loaded is None \
+                or link in self._posted:     # (a hub's stage answers Hidden: the usual way)
+            return False
+        raw = plain.obj
+        found = steady.match(raw)   # type: ignore[arg-type]
+        if found is None:
+            return False
+        out_link = self.forward.link
+        if not out_link.can_send_nowait():
+            return False
+        try:
+            self.compute.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        group, pos, token = found
+        slot, needs_logits = steady.column_fields[1:]
+        cols = (proto.Column(pos, slot, needs_logits, token),)
+        act = steady.act
+        t0 = time.perf_counter()
+        try:
+            if act is None:
+                out = self.worker.step_now(cols, None, 0, 0, steady.sampling)
+            else:
+                out = self.worker.step_now(cols, raw[steady.rows_at:steady.rows_end], _RING_KIND[act[0]],
+                                           act[1][-1], steady.sampling)
+            t1 = time.perf_counter()
+            if out.kind == _TOKENS:
+                reply = proto.tokens_reply(proto.MsgType.DONE, group, struct.unpack(f"<{out.rows}i", out.data))
+            else:
+                reply = steady.forward(raw, proto.activation_head(_WIRE_DTYPE[out.kind], (out.rows, out.cols)),
+                                       out.data)
+        except Exception:   # refused, busy, or a reply it cannot write: the usual way runs it again and reports
+            self.compute.release()
+            return False
+        try:
+            out_link.send_plain_nowait(reply)
+        except Exception:   # the successor's connection failed after the frame was sealed: the op loop reports it
+            self.compute.release()
+            return False
+        self.compute.release()
+        self.reader_steps += 1
+        self.steady_steps += 1
+        self._done(cols, out, out_link, t0, t1, link.arrived, link.decoded)
         return True
 
     def _reply(self, ev, out, link):
@@ -376,9 +443,9 @@ class Peer:
                 else proto.Hidden(ev.group, act)
         return reply, (self.forward.link if self.forward else link)
 
-    def _done(self, ev, out, out_link, t0: float, t1: float, arrived: float, decoded: float) -> None:
+    def _done(self, cols, out, out_link, t0: float, t1: float, arrived: float, decoded: float) -> None:
         t2 = time.perf_counter()
-        self.report.record(ev.columns, t2 - t0, self.vocab)
+        self.report.record(cols, t2 - t0, self.vocab)
         if self.stage_times is not None:
             # receive (op loop to the worker's post), to the worker (ring + wake-up), compute (Stage.step), back
             # from the worker (ring + wake-up), send (frame, seal, write): what bench/mesh_bench.py prints per stage;
@@ -388,7 +455,7 @@ class Peer:
             # Kept as numbers and written TIMES_BATCH lines at a time (and by the report loop, and when the session
             # ends): a line formatted and flushed per step cost ~0.1 ms of cold Python right after the forward's
             # write, when the successor wants a CPU, in exactly the runs that measure the hop
-            self._times.append((self.loaded[0], self.loaded[1], len(ev.columns),
+            self._times.append((self.loaded[0], self.loaded[1], len(cols),
                                 (t1 - t0) * 1e3 - (out.received_ms - out.sent_ms),
                                 out.done_ms - out.compute_ms - out.sent_ms, out.compute_ms,
                                 out.received_ms - out.done_ms, (t2 - t1) * 1e3, arrived * 1e3, t0 * 1e3,
@@ -627,7 +694,7 @@ class Peer:
                 await out_link.send(reply)
             finally:
                 self.compute.release()
-            self._done(ev, out, out_link, t0, t1, held.arrived, held.decoded)
+            self._done(ev.columns, out, out_link, t0, t1, held.arrived, held.decoded)
             return
         if posted is not None:      # rung by the Link's reader (`_take_step`): the compute permit is held already
             posted, t0 = posted[1], posted[2]
@@ -655,7 +722,7 @@ class Peer:
             await out_link.send(reply)
         finally:
             self.compute.release()
-        self._done(ev, out, out_link, t0, t1, arrived, decoded)
+        self._done(ev.columns, out, out_link, t0, t1, arrived, decoded)
 
     async def _handle_inband(self, ev) -> None:
         if self.worker is not None and self.loaded is not None:

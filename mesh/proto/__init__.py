@@ -11,9 +11,10 @@ from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, Au
                      Info, InfoRequest, Join, LeftOut, LeftOutCode, Load, LoadCode, MsgType, Ping, Pong, Reset,
                      Rollback, RtcChain, RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd,
                      ShipResume, Shutdown, Signal, SignalKind, Stats, StatsRequest, Step, Tokens, Vocab, Welcome,
-                     WindowUpdate, ZeroSlot)
+                     WindowUpdate, ZeroSlot, activation_head)
 from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
+from .steady import SteadyStep, tokens_reply
 
 __all__ = [
     "ALL_EVENTS", "DTYPES", "EOF", "HANDSHAKE_MAX_FRAME", "HEADER_SIZE", "MAX_FRAME", "MAX_VERSION", "MIN_FRAME_COST", "MIN_VERSION", "SEAL_OVERHEAD", "LinkKeys",
@@ -23,6 +24,7 @@ __all__ = [
     "InfoRequest", "Join", "LeftOut", "LeftOutCode", "Liveness", "Load", "LoadCode", "MsgType", "Ping", "Pong",
     "ProtoError", "ProtocolError", "Reset", "Rollback", "RtcChain", "RtcServe", "Sampling", "SamplingParams",
     "ServerHandshake", "ShipBegin", "ShipChunk", "ShipEnd", "ShipResume", "Shutdown", "Signal", "SignalKind", "Stats",
-    "StatsRequest", "Step", "Tokens",
-    "Vocab", "Welcome", "WindowUpdate", "ZeroSlot", "flow_controlled", "frame_cost",
+    "StatsRequest", "Step", "SteadyStep", "Tokens",
+    "Vocab", "Welcome", "WindowUpdate", "ZeroSlot", "activation_head", "flow_controlled", "frame_cost",
+    "tokens_reply",
 ]

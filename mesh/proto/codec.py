@@ -20,6 +20,7 @@ from .seal import SEAL_OVERHEAD, Sealer
 
 HEADER = struct.Struct("<BBHI")
 HEADER_SIZE = HEADER.size
+_LENGTH = struct.Struct("<I")   # the header's length field, at offset 4
 PROTOCOL_VERSION = 3
 MIN_VERSION = 3      # 2: sealed frames, X25519 in the handshake, the client proves first; 3: BatchStep per-column sampling
 MAX_VERSION = 3
@@ -205,18 +206,49 @@ class Codec:
         type_byte, length = header
         end = HEADER_SIZE + length
         frame = self._take_frame(end)
-        payload = frame[HEADER_SIZE:]
-        try:
-            if self._seal_in is not None:
-                plain = self._seal_in.open(frame[:HEADER_SIZE], payload)
-                type_byte, payload = plain[0], memoryview(plain)[1:]
-                if not is_known(type_byte):
-                    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {type_byte}")
-            event = decode_payload(MsgType(type_byte), payload)
-        except ProtocolError as exc:
-            raise self._fail(exc.code, exc.reason) from None
+        if self._seal_in is not None:
+            event = self.decode_opened(self._open(frame))
+        else:
+            try:
+                event = decode_payload(MsgType(type_byte), frame[HEADER_SIZE:])
+            except ProtocolError as exc:
+                raise self._fail(exc.code, exc.reason) from None
         self.last_size = end
         return event
+
+    def open_whole(self, data: bytes) -> memoryview | None:
+        """`data` that is exactly one whole sealed frame, arriving while nothing else is buffered (a decode step's
+        frame, read in one piece): its header checked as `next_event` checks it and the frame opened (the next
+        counter); its plaintext back, the inner type byte first, for `decode_opened` or for a reader of its own (a
+        peer's steady decode step, mesh/steady.py). None: not such a chunk, or the connection is not sealed yet;
+        nothing changed (feed it to `receive_data`). Raises ProtocolError as `next_event` does."""
+        if self._seal_in is None or self._head or self._more or self._eof or self._error is not None \
+                or len(data) < HEADER_SIZE or _LENGTH.unpack_from(data, 4)[0] != len(data) - HEADER_SIZE:
+            return None
+        if type(data) is not bytes:
+            data = bytes(data)  # (as receive_data: what is read from it must not alias the caller's buffer)
+        self._head = frame = memoryview(data)
+        self._check_header()
+        self._head = _EMPTY
+        plain = self._open(frame)
+        self.last_size = len(data)
+        return plain
+
+    def _open(self, frame: memoryview) -> memoryview:
+        try:
+            return memoryview(self._seal_in.open(frame[:HEADER_SIZE], frame[HEADER_SIZE:]))  # type: ignore[union-attr]
+        except ProtocolError as exc:
+            raise self._fail(exc.code, exc.reason) from None
+
+    def decode_opened(self, plain: memoryview) -> Event:
+        """The event of an opened frame's plaintext (`open_whole`). Raises ProtocolError."""
+        try:
+            type_byte = plain[0]
+            if not is_known(type_byte):
+                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {type_byte}")
+            return decode_payload(MsgType(type_byte), plain[1:])
+        except ProtocolError as exc:
+            raise self._fail(exc.code, exc.reason) from None
 
     def buffered(self) -> int:
         """Bytes received and not yet returned as events."""
@@ -249,13 +281,25 @@ class Codec:
         """The buffers of one prepared frame, sealed if this direction is sealed."""
         type_byte, chunks, length, _ = prepared
         if self._seal_out is not None:
-            header = HEADER.pack(self.version, MsgType.SEALED, 0, length + SEAL_OVERHEAD)
-            sealed = self._seal_out.seal(header, b"".join([bytes((type_byte,)), *chunks]))
+            header, sealed = self._seal(b"".join([bytes((type_byte,)), *chunks]))
             return [header, sealed] if length >= BULK else [header + sealed]
         header = HEADER.pack(self.version, type_byte, 0, length)
         if chunks and len(chunks[-1]) >= BULK:
             return [b"".join([header, *chunks[:-1]]), chunks[-1]]
         return [b"".join([header, *chunks])]
+
+
+    def seal_plain(self, plain: bytes) -> bytes:
+        """One sealed frame whose plaintext (the inner type byte, then the payload) the caller wrote itself (a
+        peer's steady decode step, mesh/steady.py), the next counter. ValueError if it is too large."""
+        if len(plain) - 1 > self.max_frame:
+            raise ValueError(f"a frame of {len(plain) - 1} bytes exceeds max_frame {self.max_frame}")
+        header, sealed = self._seal(plain)
+        return header + sealed
+
+    def _seal(self, plain: bytes) -> tuple[bytes, bytes]:
+        header = HEADER.pack(self.version, MsgType.SEALED, 0, len(plain) + SEAL_OVERHEAD - 1)
+        return header, self._seal_out.seal(header, plain)  # type: ignore[union-attr]
 
 
 class Prepared(NamedTuple):

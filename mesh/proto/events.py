@@ -347,6 +347,11 @@ _BS_SAMP = _SamplingField.st
 _BS_SAMPLINGS: dict[bytes, tuple] = {}
 
 
+def activation_head(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A present activation's bytes before its rows in a BatchStep (presence, dtype code, ndim, shape)."""
+    return b"\x01" + _BS_ACT.pack(DTYPES[dtype][0], len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
+
+
 def _encode_batch_step(ev: "BatchStep") -> list | None:
     try:
         out = [_BS_HEAD.pack(ev.group, 1 if ev.wide else 0, len(ev.columns)),
@@ -355,8 +360,7 @@ def _encode_batch_step(ev: "BatchStep") -> list | None:
         if h is None:
             out.append(b"\x00")
         else:
-            out += [b"\x01" + _BS_ACT.pack(DTYPES[h.dtype][0], len(h.shape)), struct.pack(f"<{len(h.shape)}I", *h.shape),
-                    h.data]
+            out += [activation_head(h.dtype, h.shape), h.data]
         out.append(_COUNT.pack(len(ev.sampling)))
         out += [_BS_SAMP.pack(x.temperature, x.top_k, x.top_p, x.seed) for x in ev.sampling]
         if type(ev.group) is not int:      # the table's U32 refuses a bool or a float: let it say so
