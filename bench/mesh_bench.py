@@ -30,7 +30,8 @@ Peers run a CPU stage in their own process by default (engine/local_stage.py): t
 are 0 and "to op" is ~0 when the step ran in the Link reader. `MESH_STAGE_IN_PEER=0 ... --ab MESH_STAGE_IN_PEER=1`
 compares against worker processes, `--ab MESH_STEP_IN_READER=0` against the op loop's step. The unsharded engine is
 always one worker process. The coordinator of each fleet runs in this process; `--ab MESH_HOT_SINK=0` sets its
-config (CoordConfig.hot_sink: the decode loop reads the sink hop itself, Link.pump) as well as the peers' env.
+config (CoordConfig.hot_sink: the decode loop reads the sink hop itself, Link.pump) as well as the peers' env, and
+so does `--ab MESH_STEADY=0` (CoordConfig.steady, the peers' steady decode step: mesh/proto/steady.py).
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
                       webrtc_hops=rtc_hops, token=token and token.encode(),
                       placement="memory",     # N equal stages on one box: the split's cost is what this measures
                       # the coordinator runs in this process: an --ab of MESH_HOT_SINK goes to its fleet's config
-                      hot_sink=extra_env.get("MESH_HOT_SINK", os.environ.get("MESH_HOT_SINK", "1")) != "0")
+                      hot_sink=extra_env.get("MESH_HOT_SINK", os.environ.get("MESH_HOT_SINK", "1")) != "0",
+                      steady=extra_env.get("MESH_STEADY", os.environ.get("MESH_STEADY", "1")) != "0")
     coord = Coordinator(cfg)
     procs, died, logs = [], [], [Path(times_dir) / f"peer{i}.err" for i in range(peers)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

@@ -68,6 +68,9 @@ class CoordConfig:
     # the decode loop reads the sink hop's bytes itself while it waits for a token (Link.pump), instead of waking
     # through the sink link's reader task; MESH_HOT_SINK=0 turns it off (A/B: bench/mesh_bench.py --ab)
     hot_sink: bool = field(default_factory=lambda: os.environ.get("MESH_HOT_SINK", "1") != "0")
+    # the next decode step of a sequence goes to the first stage as plaintext written directly (ChainPipeline,
+    # mesh/proto/steady.py), not a BatchStep built and encoded; MESH_STEADY=0 builds every one (A/B)
+    steady: bool = field(default_factory=lambda: os.environ.get("MESH_STEADY", "1") != "0")
 
 
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
@@ -528,7 +531,7 @@ async def wire_chain(fleet: Fleet, nursery, stack: AsyncExitStack) -> Pipeline:
         if isinstance(ev, (proto.Error, _SinkEnded)):
             raise SessionError(ev.reason)
         return ev
-    return ChainPipeline(links[0], sink_receive, names, fleet.local)
+    return ChainPipeline(links[0], sink_receive, names, fleet.local, steady=fleet.cfg.steady)
 
 
 async def _wire_hop(fleet: Fleet, k: int, addr: str, sink: bool) -> None:

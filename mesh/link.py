@@ -393,7 +393,7 @@ class Link:
                 data = await self._hot_receive() if self.hot else None
                 if data is None:
                     data = await self.stream.receive_some(RECEIVE_SIZE)
-                whole = self._whole(data) if self.fast is not None else None
+                whole = self._whole(data)
                 if whole is None:
                     self._received(data)
                     going = self._drain()
@@ -427,8 +427,9 @@ class Link:
         if data is None or self._failure is not None:
             return False
         try:
-            self._received(data)
-            self._drain()
+            if self._whole(data) is None:
+                self._received(data)
+                self._drain()
         except proto.ProtocolError as exc:
             self._fail(ProtocolViolation(exc.code, exc.reason), final=proto.Error(exc.code, exc.reason))
         return True
@@ -511,9 +512,11 @@ class Link:
                 return False
 
     def _whole(self, data: bytes) -> bool | None:
-        """`data` read while nothing was buffered, when it is exactly one sealed frame (`Codec.open_whole`): a
-        flow-controlled one is offered to `fast` undecoded; what `fast` leaves is decoded and handled as `_drain`
-        handles it. True: handled; False: handled, and the link has ended; None: not such a chunk (nothing done)."""
+        """`data` read while nothing was buffered, when it is exactly one sealed frame (`Codec.open_whole`; most
+        reads on a decode stream's path): opened and decoded without the codec's buffering and second header
+        check, or, a `fast_type` frame, offered to `fast` undecoded; what `fast` leaves is decoded and handled as
+        `_drain` handles it. True: handled; False: handled, and the link has ended; None: not such a chunk
+        (nothing done: `_received` and `_drain` take it)."""
         if self._queue:
             return None
         plain = self._codec.open_whole(data)
@@ -522,7 +525,7 @@ class Link:
         self.arrived = time.perf_counter()
         self._liveness.on_receive(trio.current_time())  # type: ignore[union-attr]
         cost = frame_cost(len(data))
-        if plain[0] == self.fast_type:
+        if plain[0] == self.fast_type and self.fast is not None:
             self._flow.on_received(cost)
             self.decoded = self.arrived
             if self.fast(plain):   # type: ignore[misc]

@@ -136,10 +136,14 @@ class ChainPipeline(Pipeline):
     """True peer to peer: steps go to the first stage, tokens come back on the sink, matched by group."""
 
     def __init__(self, first_link, sink_receive: Callable[[], Awaitable[proto.Done]], names: list[str],
-                 local: LocalStage | None = None):
+                 local: LocalStage | None = None, *, steady: bool = True):
         super().__init__(local, names)
         self.first = first_link
         self.sink_receive = sink_receive
+        # the last one-column step sent: the next of its sequence is written as plaintext (SteadyStep.plain_for)
+        # without a BatchStep built and encoded (cold Python on every token); CoordConfig.steady
+        self._steady: proto.SteadyStep | None = None
+        self._steady_on = steady
 
     async def _send_inband(self, ev) -> None:
         await _send(self.first, ev, self.names[0])    # each stage applies it and forwards it ahead of the next step
@@ -148,13 +152,20 @@ class ChainPipeline(Pipeline):
         sampling = samplings_for(sampling, cols)
         group = self.next_group()
         hidden = await self._local(cols, sampling)
-        ev = proto.BatchStep(group, len(cols) > 16, tuple(cols), hidden, sampling)
+        steady = self._steady if hidden is None and len(cols) == 1 else None
+        plain = None if steady is None else steady.plain_for(group, cols[0], sampling)
         try:   # written at once when nothing stands in the way: no pass of trio's scheduler before the bytes leave
+            if plain is not None and self.first.can_send_nowait():
+                self.first.send_plain_nowait(plain)
+                return group
+            ev = proto.BatchStep(group, len(cols) > 16, tuple(cols), hidden, sampling)
             sent = self.first.send_nowait(ev)
         except LinkError as exc:
             raise SessionError(f"{self.names[0]} is gone: {exc}") from None
         if not sent:
             await _send(self.first, ev, self.names[0])
+        if plain is None and hidden is None and len(cols) == 1 and self._steady_on:
+            self._steady = proto.SteadyStep(ev)
         return group
 
     async def collect(self, group: int) -> tuple[int, ...]:

@@ -154,3 +154,18 @@ async def test_a_links_fast_hook_consumes_or_passes_each_whole_frame_with_credit
     assert [ev.group for ev in took] == list(range(0, 40, 2))
     assert [ev.group for ev in seen] == list(range(40))
     assert [ev.group for ev in results[0]] == [*range(1, 21, 2), 99, *range(21, 40, 2), 100]
+
+
+@settings(max_examples=100, deadline=None)
+@given(group=u32, pos=u32, token=u32, slot=st.sampled_from([0, 3]), logits=st.booleans(),
+       temp=st.sampled_from([0.0, 0.7]))
+def test_the_coordinators_next_step_is_the_encoders_frame(group, pos, token, slot, logits, temp):
+    sampling = (p.Sampling(temp, 0, 1.0, 11),)
+    learned = p.SteadyStep(step(1, 2, 3, None, slot=slot, logits=logits, sampling=sampling))
+    col = p.Column(pos, slot, logits, token)
+    assert learned.plain_for(group, col, sampling) == plain_of(p.BatchStep(group, False, (col,), None, sampling))
+    assert learned.plain_for(group, p.Column(pos, slot + 1, logits, token), sampling) is None
+    assert learned.plain_for(group, p.Column(pos, slot, not logits, token), sampling) is None
+    assert learned.plain_for(group, col, (p.Sampling(0.3),)) is None
+    assert learned.plain_for(2**32, col, sampling) is None                     # out of u32: the encoder says so
+    assert p.SteadyStep(step(1, 2, 3, bytes(8))).plain_for(group, col, (p.Sampling(),)) is None   # rows: not this

@@ -321,6 +321,10 @@ def decode_payload(msg_type: MsgType, payload: memoryview) -> Event:
     """Decode one payload. Only ProtocolError escapes."""
     if msg_type == MsgType.BATCH_STEP and (event := _decode_batch_step(payload)) is not None:
         return event
+    if msg_type in _GROUP_TOKENS and len(payload) >= 8:     # a step's answer: (group, token ids), every token
+        group, n = _GROUP_COUNT.unpack_from(payload)
+        if len(payload) == 8 + 4 * n:
+            return _GROUP_TOKENS[msg_type](group, struct.unpack_from(f"<{n}I", payload, 8))
     cls, layout = _CODECS[msg_type]
     r = Reader(payload, cls.__name__)
     try:
@@ -417,6 +421,9 @@ def _decode_batch_step(view: memoryview) -> "BatchStep | None":
         return BatchStep(group, wide == 1, tuple(cols), hidden, sampling)
     except (struct.error, ValueError, TypeError, IndexError):
         return None
+
+
+_GROUP_COUNT = struct.Struct("<II")
 
 
 def is_known(type_byte: int) -> bool:
@@ -870,3 +877,7 @@ class RtcChain(Event):
 
 
 ALL_EVENTS: tuple[type, ...] = tuple(cls for cls, _ in _CODECS.values())
+
+
+# Tokens and Done (U32, U32S), decoded without the table's walk: the sink reads one every token
+_GROUP_TOKENS = {MsgType.TOKENS: Tokens, MsgType.DONE: Done}

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import struct
 
-from .events import BatchStep, MsgType, activation_head, encode_payload
+from .events import BatchStep, Column, MsgType, Sampling, activation_head, encode_payload
 
 # In the plaintext (the inner type byte first) of a one-column BatchStep: group u32 at 1, wide u8 and the column
 # count u32 at 5, the column's pos u32 at 10, slot u32 and needs_logits u8 at 14, token u32 at 19, the activation's
 # presence byte at 23, then (when present) its dtype code, ndim and shape, the rows, and the samplings.
 _VARIABLE = struct.Struct("<I5xI5xI")     # group, pos, token (from offset 1)
+_FIELDS = struct.Struct("<I5sI5sI")       # the same with the bytes between them
 _PRESENT = 23
 _GROUP_COUNT = struct.Struct("<BII")      # type, group, count: the head of Tokens and Done
 
@@ -30,8 +31,8 @@ _GROUP_COUNT = struct.Struct("<BII")      # type, group, count: the head of Toke
 class SteadyStep:
     """The frame shape of one sequence's decode steps, learned from one of them (`BatchStep` of one column)."""
 
-    __slots__ = ("size", "rows_at", "rows_end", "_wide", "_slot", "_head", "_tail", "column_fields", "sampling",
-                 "act")
+    __slots__ = ("size", "rows_at", "rows_end", "_wide", "_slot", "_head", "_tail", "_plain", "column_fields",
+                 "sampling", "act")
 
     def __init__(self, ev: BatchStep) -> None:
         if type(ev) is not BatchStep or len(ev.columns) != 1:
@@ -41,6 +42,7 @@ class SteadyStep:
         self.rows_at = _PRESENT + (1 if h is None else 3 + 4 * len(h.shape))
         self.rows_end = self.rows_at + (0 if h is None else len(h.data))
         self.size = len(plain)
+        self._plain = plain
         self._wide, self._slot = plain[5:10], plain[14:19]
         self._head, self._tail = plain[_PRESENT:self.rows_at], plain[self.rows_end:]
         c = ev.columns[0]
@@ -61,6 +63,18 @@ class SteadyStep:
                 or raw[_PRESENT:self.rows_at] != self._head or raw[self.rows_end:] != self._tail:
             return None
         return _VARIABLE.unpack_from(raw, 1)
+
+    def plain_for(self, group: int, col: Column, sampling: tuple[Sampling, ...]) -> bytes | None:
+        """The plaintext of BatchStep(group, False, (col,), None, sampling) without building or encoding it (the
+        coordinator's next decode step to the first stage), when it has this shape; else None."""
+        if self.act is not None or self.column_fields != (False, col.slot, col.needs_logits) \
+                or sampling != self.sampling:
+            return None
+        try:
+            return self._plain[:1] + _FIELDS.pack(group, self._wide, col.pos, self._slot, col.token) \
+                + self._plain[_PRESENT:]
+        except struct.error:     # a value out of u32: the encoder says which
+            return None
 
     def forward(self, raw: bytes, act_head: bytes, rows: bytes) -> bytes:
         """The plaintext of the step sent on: `raw`'s group, column and samplings, these rows (`act_head`: their
