@@ -223,13 +223,19 @@ class Codec:
         peer's steady decode step, mesh/steady.py). None: not such a chunk, or the connection is not sealed yet;
         nothing changed (feed it to `receive_data`). Raises ProtocolError as `next_event` does."""
         if self._seal_in is None or self._head or self._more or self._eof or self._error is not None \
-                or len(data) < HEADER_SIZE or _LENGTH.unpack_from(data, 4)[0] != len(data) - HEADER_SIZE:
+                or len(data) < HEADER_SIZE:
+            return None
+        version, type_byte, flags, length = HEADER.unpack_from(data)
+        if length != len(data) - HEADER_SIZE:
             return None
         if type(data) is not bytes:
             data = bytes(data)  # (as receive_data: what is read from it must not alias the caller's buffer)
-        self._head = frame = memoryview(data)
-        self._check_header()
-        self._head = _EMPTY
+        frame = memoryview(data)
+        if version != self.version or type_byte != MsgType.SEALED or flags or not SEAL_OVERHEAD <= length \
+                <= self.max_frame + SEAL_OVERHEAD:    # the header check's error, from the check itself
+            self._head = frame
+            self._check_header()    # raises
+            self._head = _EMPTY
         plain = self._open(frame)
         self.last_size = len(data)
         return plain
