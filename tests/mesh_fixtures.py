@@ -22,6 +22,7 @@ import trio
 from engine.stage import Sampling
 from engine.tokenizer import Tokenizer
 from engine.worker import open_worker
+from mesh.link import open_link
 from mesh.pipeline import LocalPipeline, generate
 from tests.tiny_gguf import byte_chars, write_tiny_gguf
 
@@ -69,6 +70,20 @@ def write_tiny_chat_model(path: Path, *, arch: str = "llama", n_layers: int = 6,
     w.close()
     raw.unlink()
     return path
+
+
+def link_handler(token: bytes, sessions, expect: type | None = None):
+    """A handler for transport.serve_listener: each connection authenticated as a server, its first event checked
+    to be an `expect` (if given), then (link, done) sent on `sessions` (a memory channel's send side); the link
+    stays open until the test sets `done`. A fake coordinator (expect=proto.Join) or sink."""
+    async def handler(stream):
+        async with open_link(stream, token=token, role="server") as link:
+            if expect is not None:
+                assert isinstance(await link.receive(), expect)
+            done = trio.Event()
+            await sessions.send((link, done))
+            await done.wait()
+    return handler
 
 
 def free_port() -> int:

@@ -11,9 +11,9 @@ import trio
 import transport
 from engine.stage import Stage
 from mesh import proto
-from mesh.link import Link, RemoteError, open_link
+from mesh.link import Link, RemoteError
 from mesh.peer import Peer, PeerConfig
-from tests.mesh_fixtures import write_tiny_chat_model
+from tests.mesh_fixtures import link_handler, write_tiny_chat_model
 
 pytestmark = pytest.mark.slow  # starts a worker process (a few seconds: tiny model, no warmup)
 
@@ -48,15 +48,9 @@ async def test_steps_rung_from_the_reader_equal_the_stage_and_keep_inband_order(
     want = reference(model, 6)
     sessions = trio.open_memory_channel(4)
 
-    async def coordinator(stream):
-        async with open_link(stream, token=TOKEN, role="server") as control:
-            assert isinstance(await control.receive(), proto.Join)
-            done = trio.Event()
-            await sessions[0].send((control, done))
-            await done.wait()
-
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(transport.serve_listener, "127.0.0.1", 0, coordinator)
+        port = await nursery.start(transport.serve_listener, "127.0.0.1", 0,
+                                   link_handler(TOKEN, sessions[0], proto.Join))
         peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, listen="127.0.0.1:0", model=model, warmup=0))
         nursery.start_soon(peer.run)
         with trio.fail_after(120):

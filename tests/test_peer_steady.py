@@ -12,9 +12,8 @@ import trio
 import transport
 from engine.stage import Stage
 from mesh import proto
-from mesh.link import open_link
 from mesh.peer import Peer, PeerConfig
-from tests.mesh_fixtures import write_tiny_chat_model
+from tests.mesh_fixtures import link_handler, write_tiny_chat_model
 
 pytestmark = pytest.mark.slow  # a peer loading a tiny model, each step shape compiled once (a few seconds)
 
@@ -59,22 +58,10 @@ async def test_steady_steps_send_what_the_usual_path_sends(model, monkeypatch, s
     sessions = trio.open_memory_channel(4)
     sinks = trio.open_memory_channel(4)
 
-    async def coordinator(stream):
-        async with open_link(stream, token=TOKEN, role="server") as control:
-            assert isinstance(await control.receive(), proto.Join)
-            done = trio.Event()
-            await sessions[0].send((control, done))
-            await done.wait()
-
-    async def sink(stream):
-        async with open_link(stream, token=TOKEN, role="server") as link:
-            done = trio.Event()
-            await sinks[0].send((link, done))
-            await done.wait()
-
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(transport.serve_listener, "127.0.0.1", 0, coordinator)
-        sink_port = await nursery.start(transport.serve_listener, "127.0.0.1", 0, sink)
+        port = await nursery.start(transport.serve_listener, "127.0.0.1", 0,
+                                   link_handler(TOKEN, sessions[0], proto.Join))
+        sink_port = await nursery.start(transport.serve_listener, "127.0.0.1", 0, link_handler(TOKEN, sinks[0]))
         peer = Peer(PeerConfig(join=f"127.0.0.1:{port}", token=TOKEN, listen="127.0.0.1:0", model=model, warmup=0))
         nursery.start_soon(peer.run)
         with trio.fail_after(120):
