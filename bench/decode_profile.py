@@ -106,6 +106,47 @@ def jit_parts(stage, pos: int, steps: int) -> None:
     print(f"  jit back to back   {b2b:8.3f} ms a call (max of host launch and GPU time)")
 
 
+def wide_parts(stage, step, p: int, steps: int, cprofile: bool) -> None:
+    """A B-column step split into the wait for its output (engine.stage._copy_out: the GPU's time not hidden behind
+    the host's launch, plus the copy) and the rest (the host's Python and the jit call's launches), medians of
+    `steps`; then the same steps under cProfile (where the host's part goes), top functions by own time."""
+    import engine.stage as st
+    orig, waits = st._copy_out, []
+
+    def timed(t):
+        t0 = time.perf_counter()
+        try:
+            return orig(t)
+        finally:
+            waits.append(time.perf_counter() - t0)
+    st._copy_out = timed
+    walls = []
+    try:
+        for i in range(steps):
+            t0, n = time.perf_counter(), len(waits)
+            step(p + i)
+            walls.append(time.perf_counter() - t0)
+            if len(waits) == n:     # a step that copied nothing out this way (the CPU's raw replay)
+                waits.append(0.0)
+    finally:
+        st._copy_out = orig
+    wall, wait = statistics.median(walls) * 1e3, statistics.median(waits) * 1e3
+    host = statistics.median(w - x for w, x in zip(walls, waits)) * 1e3
+    print(f"  step {wall:.3f} ms: host before the output's wait {host:.3f} ms, the wait (GPU left + copy) {wait:.3f} ms")
+    if cprofile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for i in range(steps):
+            step(p + steps + i)
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"  cProfile of {steps} steps (times are totals over them):")
+        print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000])
+
+
 def kernels(stage, pos: int) -> None:
     from tinygrad import Device
     from tinygrad.helpers import Context
@@ -164,6 +205,12 @@ def main() -> None:
     ap.add_argument("--summarize", metavar="CSV", help="sum an ncu CSV of --ncu per kernel kind, then exit")
     ap.add_argument("--batch", type=int, default=1, help="columns a decode step (a slot each); over 1 only --ncu "
                     "and --kernels run")
+    ap.add_argument("--spread", type=int, default=0, help="batch > 1: slot s holds pos + s * spread tokens (streams "
+                    "of different lengths, as serving has them) instead of pos each")
+    ap.add_argument("--ctx", type=int, default=0, help="the stage's max_context (default: what the steps need, 256 "
+                    "at least; serve_bench's stage has 512)")
+    ap.add_argument("--cprofile", action="store_true", help="batch > 1: cProfile of the timed steps (the host's "
+                    "Python of Stage.step, the GPU wait inside _copy_out), top functions")
     a = ap.parse_args()
     if a.summarize:
         return summarize(a.summarize, a.steps)
@@ -174,13 +221,14 @@ def main() -> None:
     layers = next(int(v) for k, v in g.kv.items() if k.endswith(".block_count"))
     t0 = time.perf_counter()
     B = a.batch
-    stage = Stage.load(a.model, 0, layers, n_slots=B, max_context=max(256, a.pos + 3 * a.steps + 8))
+    lens = [a.pos + s * a.spread for s in range(B)]  # each slot's prompt
+    stage = Stage.load(a.model, 0, layers, n_slots=B, max_context=a.ctx or max(256, max(lens) + 3 * a.steps + 8))
     print(f"{Device.DEFAULT}: load {time.perf_counter() - t0:.1f} s", flush=True)
     stage.warmup()
     for s in range(B):
-        stage.step([Column(i, s, i == a.pos - 1, 1 + i + s) for i in range(a.pos)])
-    def step(p: int) -> None:  # one decode step of B columns, a slot each
-        stage.step([Column(p, s, True, 7 + s) for s in range(B)])
+        stage.step([Column(i, s, i == lens[s] - 1, 1 + i + s) for i in range(lens[s])])
+    def step(p: int) -> None:  # one decode step of B columns, a slot each (slot s at lens[s] - pos + p)
+        stage.step([Column(lens[s] - a.pos + p, s, True, 7 + s) for s in range(B)])
     if a.ncu:
         import ctypes
         cu = ctypes.CDLL("libcuda.so.1")
@@ -203,7 +251,10 @@ def main() -> None:
         for i in range(a.steps):
             step(a.pos + 3 + i)
         dt = (time.perf_counter() - t) / a.steps
-        print(f"jitted decode step of {B} columns at position {a.pos + 3}: {dt * 1e3:.3f} ms ({B / dt:.1f} tok/s in all)")
+        print(f"jitted decode step of {B} columns at position {a.pos + 3}"
+              f"{f' (spread {a.spread}: up to {lens[-1] + 3})' if a.spread else ''}: {dt * 1e3:.3f} ms "
+              f"({B / dt:.1f} tok/s in all)")
+        wide_parts(stage, step, a.pos + 3 + a.steps, a.steps, a.cprofile)
     if a.kernels and B == 1:
         kernels(stage, stage.slot_length(0))
 
