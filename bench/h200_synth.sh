@@ -58,10 +58,12 @@
 #   bench/h200_synth.sh final  one call, side by side: llama-bench built while the engine runs $ENGINE1 and the
 #                              tests run, then llama-bench on every file. The engine runs slower beside the build
 #                              (a step is partly host-bound): for the table, rerun the engine on the warm machine.
-#   bench/h200_synth.sh s11    ninth session (issue 11), a fresh machine: where a 16-stream step of 1.1b-Q8_0 goes with the
-#                              tensor cores: sched_overhead's worker split (the child's own step beside the parent's),
-#                              a serving-like 16-column step (positions spread, 512 context) taken apart and profiled
-#                              (decode_profile --spread --cprofile), serve_bench local 1,16, then the bare steps
+#   bench/h200_synth.sh s11    ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8_0 on the tensor
+#                              cores: serve_bench local 1,16 with the warmup's runs (the CUDA graphs built at load) and
+#                              without (MESH_WARM_RUN=0), sched_overhead's worker split (the child's own step beside
+#                              the parent's), a serving-like 16-column step taken apart (decode_profile --spread
+#                              --cprofile), then the bare steps. The device gets /work/main's checkout, not a helper's
+#                              worktree: land first, then run from the repository root (carry .whl .wx)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -706,24 +708,26 @@ s10b)  # eighth session, the warm machine after s10: engine_bench --llama-bench 
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
-s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8_0 on the tensor cores taken apart:
-  # sched_overhead's worker split, decode_profile of a serving-like 16-column step (slots at different positions,
-  # 512 context, cProfile), serve_bench local 1,16 (the ratio), then the bare 16- and 1-column steps, time allowing
+s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8_0 on the tensor cores: serve_bench
+  # local 1,16 with and without the warmup's runs (the first all-16 step built its CUDA graphs inside serving), the
+  # worker split (sched_overhead --model: the child's own step beside the parent's), a serving-like 16-column step
+  # taken apart (decode_profile --spread --ctx --cprofile), then the bare 16- and 1-column steps, time allowing
   { date -u; nproc; uptime; lscpu | grep "Model name"; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
   [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   export MESH_GPU_MV=${S11_MV-tc} DEV=CUDA
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  l=$(lim 170); echo "== sched_overhead worker 1,16 (limit ${l}s)"
+  for w in 1 0 1; do  # the first compiles (~80 s on a fresh machine), the rest find tinygrad's disk cache
+    l=$(lim 170); [ "$l" -gt 60 ] || { echo "skip serve_bench MESH_WARM_RUN=$w: no time"; continue; }
+    echo "== serve_bench local 1,16, MESH_WARM_RUN=$w (limit ${l}s)"
+    MESH_WARM_RUN=$w timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
+      | grep -v Warning | tee -a "$OUT/serve.txt"
+  done
+  l=$(lim 120); echo "== sched_overhead worker 1,16 (limit ${l}s)"
   timeout $l python3 bench/sched_overhead.py --modes worker --model $M/$F.gguf --device CUDA --streams 1,16 --rounds 1 \
-    --steps 200 --consumers plain 2>&1 | grep -v Warning | tee -a "$OUT/sched.txt"
-  l=$(lim 130); echo "== decode_profile 16 columns, spread 8 from 40, ctx 512, cProfile (limit ${l}s)"
-  timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 \
-    --cprofile 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
-  l=$(lim 160); [ "$l" -gt 60 ] && { echo "== serve_bench local 1,16 (limit ${l}s)"
-    timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 | grep -v Warning \
-      | tee -a "$OUT/serve.txt"; }
-  for args in "--batch 16 --steps 20" "--batch 1 --steps 20 --pos 100 --ctx 512"; do
+    --steps 300 --consumers plain 2>&1 | grep -v Warning | tee -a "$OUT/sched.txt"
+  for args in "--batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 --cprofile" "--batch 16 --steps 20" \
+              "--batch 1 --steps 20 --pos 100 --ctx 512"; do
     l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile $args: no time"; continue; }
     echo "== decode_profile $args (limit ${l}s)"
     timeout $l python3 bench/decode_profile.py --model $M/$F.gguf $args 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"

@@ -58,7 +58,8 @@ def child(args) -> dict:
     from engine.tokenizer import Tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="sched_overhead_"))
-    model = write_tiny_chat_model(tmp / "tiny.gguf", n_layers=3)
+    # with --model its own vocabulary: the tiny model copies SmolLM2's chat template, a file a device image lacks
+    model = args.model if args.model else write_tiny_chat_model(tmp / "tiny.gguf", n_layers=3)
     tok = Tokenizer.from_gguf(model)
     vocab = tok.vocab_size if hasattr(tok, "vocab_size") else 256
     n_slots = max(args.streams)
@@ -228,8 +229,10 @@ def base_tree(rev: str) -> Path:
 
 def run_round(tree: Path, argv: list[str], extra: dict[str, str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), SCHED_TREE=str(tree), **extra)
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], env=env, check=True,
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], env=env,
                          capture_output=True, text=True)
+    if out.returncode:      # the round's own error, not only its exit status
+        sys.exit(f"a round failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -790,8 +790,9 @@ class Stage:
         """Compile every step shape a session goes through, so that no step waits for tinygrad to schedule and
         compile: decode steps of 1..decode_batch sequences (default n_slots; each one column in its own slot) and a
         chunk of each prefill bucket that fits the context. A shape assembled from layer templates is only built
-        (no step runs); one captured whole runs once on scratch data in the slots. Then clears the slots
-        (`reset`): it belongs right after `load`, and refuses when a slot holds positions. Leaves no trace a
+        (no step runs); one captured whole runs once on scratch data in the slots; on a GPU every shape then runs
+        once (`_warm_runs`: its graphs are built at its first run). Then clears the slots (`reset`): it belongs
+        right after `load`, and refuses when a slot holds positions. Leaves no trace a
         later step could see: the same kernels run whether a shape was compiled here or by the step that needs it.
         A no-op for a stage loaded with jit=False (nothing is kept between steps)."""
         if any(self._lengths):
@@ -809,16 +810,33 @@ class Stage:
             return np.zeros((n, self.dim), self.act_dtype)
 
         # on a GPU the last stage has a shape that picks greedy tokens on the device, besides the logits one
+        shapes = []
         for greedy in (False, True) if self.last and self.greedy_on_device else (False,):
             for k in range(1, widths + 1):  # batched decode: slot i at position 0, every column with logits
-                self._run(rows(k), [(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else (),
-                          execute=False, greedy=greedy)
+                shapes.append(([(i, 1, i, 0) for i in range(k)], k, tuple(range(k)) if self.last else (), greedy))
             for b in PREFILL_BUCKETS:  # a prompt's chunk; the logits (if any) on one row, which is a bound variable
                 if b <= self.max_context:
-                    self._run(rows(b), [(0, b, 0, 0)], b, (b - 1,) if self.last else (), execute=False, greedy=greedy)
+                    shapes.append(([(0, b, 0, 0)], b, (b - 1,) if self.last else (), greedy))
+        for runs, size, picks, greedy in shapes:
+            self._run(rows(size), runs, size, picks, execute=False, greedy=greedy)
+        if self._warm_runs():
+            # each shape also runs once: tinygrad builds a step's CUDA graphs at its first run (get_graph_runtime:
+            # ~0.1-0.2 s of Python a shape on the H200), which otherwise lands on the first step of each width a
+            # service forms; 16 streams paid it inside serving, on the first all-16 step (bench/RESULTS.md, ninth
+            # session). The runs write the trash block (the slots own no blocks yet) and mark the slots dirty,
+            # which reset() below clears
+            for runs, size, picks, greedy in shapes:
+                self._run(rows(size), runs, size, picks, greedy=greedy)
         self.zero_slot(0)  # compiles the session start's slot clearing too
         self.reset()
         return WarmupResult((time.perf_counter() - t0) * 1000, len(self._jits) - before)
+
+    def _warm_runs(self) -> bool:
+        """Whether warmup runs every shape once after compiling it: where steps run as captured jits (a GPU: no
+        CPU replay, `_replays` holds None), whose first run builds the device graphs; the CPU's replay has no such
+        first-run cost. MESH_WARM_RUN=1 forces it (tests check the runs leave no trace), 0 turns it off (A/B)."""
+        flag = os.environ.get("MESH_WARM_RUN", "")
+        return flag == "1" or (flag != "0" and any(r is None for r in self._replays.values()))
 
     def _capture(self, shape, inputs: tuple[Tensor, Tensor, Tensor], binds: list[UOp]) -> TinyJit:
         """The jit of a new step shape. One layer of each kind is captured and its kernels serve every layer
