@@ -337,6 +337,8 @@ class QuantWeight:
             return tc_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, residual=residual)
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
+        if not gpu:  # 512-bit vectors on an AVX-512 host, before any of the step's kernels is rendered
+            quant_gemm.wide_vectors(str(self.rest.device))
         threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
         fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once

@@ -63,15 +63,47 @@ def default_tile() -> int:
     MESH_GEMM_TILE overrides it (A/B runs)."""
     if env := os.environ.get("MESH_GEMM_TILE"):
         return max(1, int(env))
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        except OSError:
-            flags = []
-        if "avx512f" in flags:
-            return 8
-    return 4
+    return 8 if _avx512() else 4
+
+
+def _avx512() -> bool:
+    """Whether this is an x86 CPU with AVX-512 (its /proc/cpuinfo flags; False where there is none)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "avx512f" in flags
+
+
+_WIDE: set[str] = set()
+
+
+def wide_vectors(device: str) -> None:
+    """Have clang vectorize this CPU device's kernels 16 floats wide (zmm) on an AVX-512 host: tinygrad compiles
+    with -march=native, and clang 14 takes its tuning from the CPU it names. For Intel server cores (this box: a
+    Xeon that clang calls "rocketlake") that tuning prefers 256-bit vectors, so every kernel ran in ymm halves: the
+    GEMM's tile of 8 columns was 16 ymm sums and 64 FMAs plus 32 broadcasts every 4 values; with zmm it is 8 sums
+    and 32 FMAs with embedded broadcasts (the same C, read in clang's output). Zen 4/5 tunings prefer 512 already.
+    Vector width changes no sum: each row's chain is the same operations in the same order (no reassociation
+    without fast-math), so outputs are bitwise the same; the flag only goes into the device's default arch
+    ("x86_64,native" -> tinygrad passes ",prefer-vector-width=512" on as -mprefer-vector-width=512), which is part
+    of the renderer's target and so of every program cache key. A DEV that names an arch or another renderer
+    (CPU:X86, CPU:LLVM) is left alone. Called where a CPU matmul's graph is built, before anything renders it;
+    MESH_CPU_WIDE=0 keeps clang's own choice (A/B runs)."""
+    if device in _WIDE:
+        return
+    _WIDE.add(device)
+    if os.environ.get("MESH_CPU_WIDE", "1") == "0" or not _avx512():
+        return
+    from tinygrad import Device
+    dev = Device[device]
+    arch = getattr(dev, "arch", None)
+    if type(dev.renderer).__name__ == "ClangRenderer" and isinstance(arch, str) and arch.startswith("x86_64,") \
+            and "prefer-vector-width" not in arch:
+        dev.arch = arch + ",prefer-vector-width=512"
 
 
 TILE = default_tile()
