@@ -15,8 +15,10 @@ decoded N times, and decoding (byte loads, shifts, int -> float) costs more than
 
 The inner loop is 2 vector loads of wb, T broadcasts of x and 2T 8-wide FMAs; with T = 4 the 8 accumulators, 2
 weights and the broadcasts fit AVX2's 16 registers (clang's output, read with llvm-mca: 8 FMAs an iteration, no
-spills; T = 8 spills there). With AVX-512 a row group is one 16-wide register and T = 8 (`default_tile`). The
-decode is amortized over all N columns. How the C has to look for clang to vectorize it
+spills; T = 8 spills there). With AVX-512 a row group is one 16-wide register and T = 8 (`default_tile`), and
+GROUPS = 2 row groups run side by side (each block of both decoded, then the tile's 2 x T sums fed together): each
+broadcast of x feeds 2 FMAs, and 16 independent chains are in flight instead of 8. The decode is amortized over all
+N columns. How the C has to look for clang to vectorize it
 (tinygrad leaves vectorization to clang's SLP and loop vectorizers), each found by reading the generated code:
   * wb and accm are REG placeholders, which tinygrad never groups into float4 accesses: a float4 store of the
     accumulators made SLP pick 4-wide vectors and spill half of them;
@@ -109,6 +111,12 @@ def wide_vectors(device: str) -> None:
 TILE = default_tile()
 SLICES_PER_THREAD = int(os.environ.get("MESH_GEMM_SLICES", "4"))  # core slices a thread (see `slices`)
 UNROLL = int(os.environ.get("MESH_GEMM_UNROLL", "4"))  # values a step of the inner loop (see gemm_kernel)
+# Row groups of il rows worked on at once (gemm_kernel). With AVX-512 and a tile of 8, 2 groups are 16 zmm sums and
+# 8 of the decoded block's vectors, no spills (clang's output read): each x broadcast feeds 2 FMAs (40 loads per 64
+# FMAs instead of 72) and 16 chains are in flight. An 8-column decode step 16.8-17.5 -> 15.6-16.4 ms (bench/RESULTS.md
+# "Ninth session: the CPU GEMM at 8 streams"). AVX2 keeps 1: 2 x 4 columns x 2 ymm would not fit its 16 registers.
+# A group's rows are summed exactly as alone: outputs bitwise the same for any GROUPS. MESH_GEMM_GROUPS overrides it.
+GROUPS = int(os.environ.get("MESH_GEMM_GROUPS", "2" if _avx512() else "1"))
 
 
 def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: bool):
@@ -118,54 +126,59 @@ def gemm_kernel(name: str, spec: BlockSpec, threads: int, tile: int, residual: b
         T = min(tile, N)
         NT = -(-N // T)
         res = extra[0] if residual else None
-        core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads, 1)
-        g = core_index(core, threads) * (G // threads) + gi
-        # the sums of every column for this group's rows, in memory (N x il floats): a tile's T x il accumulators
-        # are loaded into registers for one block, then written back. accm and wb are indexed from 1 (see above)
-        accm = UOp.placeholder((NT * T * il + 1,), F32, 0, addrspace=AddrSpace.REG)
-        z = UOp.range(NT * T * il + 1, 2)
+        R = GROUPS if (G // threads) % GROUPS == 0 else 1
+        core, gi = UOp.range(threads, 0, AxisType.GLOBAL), UOp.range(G // threads // R, 1)
+        group = lambda r: core_index(core, threads) * (G // threads) + gi * R + r
+        # the sums of every column for these R groups' rows, in memory (R x N x il floats): a tile's R x T x il
+        # accumulators are loaded into registers for one block, then written back. accm and wb are indexed from 1
+        accm = UOp.placeholder((R * NT * T * il + 1,), F32, 0, addrspace=AddrSpace.REG)
+        z = UOp.range(R * NT * T * il + 1, 2)
         accm = accm.after(gi, core)[z].set(0.0, end=z)
         b = UOp.range(nb, 3, AxisType.REDUCE)
         byte = lambda k: rest[g, b, k, lane].cast(dtypes.int)
         half = lambda i: halfs[g, b, i, lane].cast(F32)
-        # 1. decode the block of il rows once: wb[value][lane] = q * d + m
-        wb = UOp.placeholder((E * il + 1,), F32, 1, addrspace=AddrSpace.REG)
+        # 1. decode the block of il rows of each of the R groups once: wb[group][value][lane] = q * d + m
+        wb = UOp.placeholder((R * E * il + 1,), F32, 1, addrspace=AddrSpace.REG)
         decs = []
         for si in range(spec.sub):  # unrolled in Python: constant shifts and offsets per sub-block
-            j, lane = UOp.range(W, 10 + 2 * si), UOp.range(il, 11 + 2 * si)
+            r = UOp.range(R, 60 + si, AxisType.UPCAST)
+            g, j, lane = group(r), UOp.range(W, 10 + 2 * si), UOp.range(il, 11 + 2 * si)
             w = spec.q(byte, si, j).cast(F32) * spec.scale(byte, half, si)
             if spec.offset is not None:
                 w = w + spec.offset(byte, half, si)
-            decs.append(wb.after(accm, b)[(si * W + j) * il + lane + 1].store(w).end(lane, j))
+            decs.append(wb.after(accm, b)[((r * spec.sub + si) * W + j) * il + lane + 1].store(w).end(lane, j, r))
         wb = wb.after(*decs)
         # 2. multiply the decoded block into each tile of T columns. The il rows are a plain loop inside each step
         # (not an UPCAST that tinygrad writes out): clang's loop vectorizer makes them one vector (two with AVX2)
         # per column, and keeps the tile's T sums in registers across the values
-        nt, t = UOp.range(NT, 4), UOp.range(T, 6, AxisType.UPCAST)
+        nt, t, r = UOp.range(NT, 4), UOp.range(T, 6, AxisType.UPCAST), UOp.range(R, 95, AxisType.UPCAST)
         col = nt * T + t
         n = (col < N).where(col, N - 1) if N % T else col  # a ragged last tile re-reads the last column
-        acc = UOp.placeholder((T * il,), F32, 2, addrspace=AddrSpace.REG)
+        acc = UOp.placeholder((R * T * il,), F32, 2, addrspace=AddrSpace.REG)
         lane = UOp.range(il, 150)  # ids above the decode's (10 + 2 * sub)
-        acc = acc.after(nt, b)[t * il + lane].set(accm.after(wb)[col * il + lane + 1], end=lane)
+        ai, mi = (r * T + t) * il + lane, (r * NT * T + col) * il + lane + 1
+        acc = acc.after(nt, b)[ai].set(accm.after(wb)[mi], end=lane)
         # the values in order, UNROLL at a time in one loop step (unrolled here, so the sums keep their order): a
         # loop of one value a step made clang copy every accumulator and broadcast once a step (FMAs of the 213
         # form, the last step peeled), ~20% of the kernel's time on Zen 5
         U = UNROLL if E % UNROLL == 0 else 1
         jo, lane = UOp.range(E // U, 7, AxisType.REDUCE), UOp.range(il, 151)
-        val = acc.after(jo)[t * il + lane]
+        ai = (r * T + t) * il + lane
+        val = acc.after(jo)[ai]
         for u in range(U):
             jj = jo * U + u
-            val = val + wb[jj * il + lane + 1] * x[n, b * E + jj]
-        acc = acc[t * il + lane].set(val, end=(lane, jo))
+            val = val + wb[(r * E + jj) * il + lane + 1] * x[n, b * E + jj]
+        acc = acc[ai].set(val, end=(lane, jo))
         lane = UOp.range(il, 152)
-        back = accm[col * il + lane + 1].store(acc[t * il + lane]).end(lane, t).end(nt).end(b)
+        back = accm[(r * NT * T + col) * il + lane + 1].store(acc[(r * T + t) * il + lane]).end(lane, t, r) \
+            .end(nt).end(b)
         # 3. the real columns out, with the residual
-        c, ls = UOp.range(N, 8), UOp.range(il, 9, AxisType.UPCAST)
-        row = g * il + ls
-        y = accm.after(back)[c * il + ls + 1]
+        r, c, ls = UOp.range(R, 96), UOp.range(N, 8), UOp.range(il, 9, AxisType.UPCAST)
+        row = group(r) * il + ls
+        y = accm.after(back)[(r * NT * T + c) * il + ls + 1]
         if res is not None:
             y = y + res[c, row]
-        return out[c, row].store(y).end(ls).end(c).end(gi, core).sink(
+        return out[c, row].store(y).end(ls).end(c).end(r).end(gi, core).sink(
             arg=KernelInfo(name=f"mm_{name}_{G}x{il}_{nb}_t{T}", opts_to_apply=()))
     return kernel
 
