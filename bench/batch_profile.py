@@ -8,7 +8,10 @@ Loads the whole model in this process (one Stage, the serving shapes: n_slots = 
    ratio, and what `width` streams could reach against one stream from the engine alone (width x t1 / tN);
 2. per kernel kind (a GEMM/matvec by its weight's shape, attention, norms), its time in each step: every kernel of
    the captured step is run alone, 10 times in a row, on the step runner's threads (so a weight that fits the
-   cache is warm: the kernel's compute, not the step's memory traffic);
+   cache is warm: the kernel's compute, not the step's memory traffic); then the captured step's kernels all in
+   order on the same runner, without the Stage's Python (each weight read once, as in the step): the step minus
+   this is Python and the hand-off around the runner, this minus the kernels alone is the weights' memory traffic
+   and the waits between kernels;
 3. with `--mixed`: a step holding one sequence's prefill chunk (16 columns) beside `width` decode columns, against
    the chunk and the decode step apart: what computing a prompt chunk in the same step as the decode columns
    would save on this CPU (the scheduler alternates them; NOTES "Scheduler"). The mixed shape is compiled on
@@ -75,6 +78,23 @@ def kernel_times(st: Stage, width: int, pos: int) -> dict[str, tuple[float, int]
     return out
 
 
+def runner_time(st: Stage, width: int, pos: int) -> float:
+    """Seconds of the captured decode step of `width` columns run by the step runner alone (median of 20)."""
+    shape = next(k for k in st._replays if k[0] == width and len(k[1]) == width)
+    replay = st._replays[shape]
+    var_vals = {st._vctx.expr: pos + 1, **{f"pick{j}": j for j in range(width)}}
+    for i in range(width):
+        var_vals[st._vslot[i].expr], var_vals[st._vpos[i].expr] = i, pos
+    runner = StepRunner(list(replay.calls), replay.threads)
+    vals = {v: var_vals[v] for v in runner.slots}
+    ts = []
+    for _ in range(20):
+        t = time.perf_counter()
+        runner.run(vals)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=None)
@@ -116,6 +136,10 @@ def main() -> None:
         print(f"{k:<24s} {a * 1e3:8.2f} {b * 1e3:9.2f} {b / a if a else float('nan'):6.2f} {b / sn:6.1%}")
     print(f"{'sum':<24s} {s1 * 1e3:8.2f} {sn * 1e3:9.2f} {sn / s1:6.2f}   (the step: {t1 * 1e3:.2f} / "
           f"{tn * 1e3:.2f} ms; the rest is memory traffic, the runner's waits, Python)")
+    r1, rn = runner_time(st, 1, pos), runner_time(st, W, pos)
+    print(f"{'runner alone':<24s} {r1 * 1e3:8.2f} {rn * 1e3:9.2f} {rn / r1:6.2f}   (the step's kernels in order, no "
+          f"Python: traffic and waits {(r1 - s1) * 1e3:.2f} / {(rn - sn) * 1e3:.2f} ms, Python and hand-off "
+          f"{(t1 - r1) * 1e3:.2f} / {(tn - rn) * 1e3:.2f} ms)")
 
     if args.mixed:   # slot W: a prompt chunk of 16 at its next positions, beside the W decode columns
         chunk = lambda p: [Column(p + i, W, False, 7 + i) for i in range(16)]  # noqa: E731
