@@ -11,10 +11,10 @@ from .events import (ALL_EVENTS, DTYPES, NONCE_SIZE, Ack, Activation, AuthOk, Au
                      Info, InfoRequest, Join, LeftOut, LeftOutCode, Load, LoadCode, MsgType, Ping, Pong, Reset,
                      Rollback, RtcChain, RtcServe, Sampling, SamplingParams, ShipBegin, ShipChunk, ShipEnd,
                      ShipResume, Shutdown, Signal, SignalKind, Stats, StatsRequest, Step, Tokens, Vocab, Welcome,
-                     WindowUpdate, ZeroSlot, activation_head)
+                     WindowUpdate, ZeroSlot, activation_head, tokens_reply)
 from .seal import SEAL_OVERHEAD, LinkKeys
 from .flow import MIN_FRAME_COST, FlowWindow, Liveness, flow_controlled, frame_cost
-from .steady import SteadyStep, tokens_reply
+from .steady import SteadyStep
 
 __all__ = [
     "ALL_EVENTS", "DTYPES", "EOF", "HANDSHAKE_MAX_FRAME", "HEADER_SIZE", "MAX_FRAME", "MAX_VERSION", "MIN_FRAME_COST", "MIN_VERSION", "SEAL_OVERHEAD", "LinkKeys",

@@ -20,7 +20,6 @@ from .seal import SEAL_OVERHEAD, Sealer
 
 HEADER = struct.Struct("<BBHI")
 HEADER_SIZE = HEADER.size
-_LENGTH = struct.Struct("<I")   # the header's length field, at offset 4
 PROTOCOL_VERSION = 3
 MIN_VERSION = 3      # 2: sealed frames, X25519 in the handshake, the client proves first; 3: BatchStep per-column sampling
 MAX_VERSION = 3
@@ -220,7 +219,7 @@ class Codec:
         """`data` that is exactly one whole sealed frame, arriving while nothing else is buffered (a decode step's
         frame, read in one piece): its header checked as `next_event` checks it and the frame opened (the next
         counter); its plaintext back, the inner type byte first, for `decode_opened` or for a reader of its own (a
-        peer's steady decode step, mesh/steady.py). None: not such a chunk, or the connection is not sealed yet;
+        peer's steady decode step, mesh/proto/steady.py). None: not such a chunk, or the connection is not sealed yet;
         nothing changed (feed it to `receive_data`). Raises ProtocolError as `next_event` does."""
         if self._seal_in is None or self._head or self._more or self._eof or self._error is not None \
                 or len(data) < HEADER_SIZE:
@@ -294,10 +293,9 @@ class Codec:
             return [b"".join([header, *chunks[:-1]]), chunks[-1]]
         return [b"".join([header, *chunks])]
 
-
     def seal_plain(self, plain: bytes) -> bytes:
         """One sealed frame whose plaintext (the inner type byte, then the payload) the caller wrote itself (a
-        peer's steady decode step, mesh/steady.py), the next counter. ValueError if it is too large."""
+        peer's steady decode step, mesh/proto/steady.py), the next counter. ValueError if it is too large."""
         if len(plain) - 1 > self.max_frame:
             raise ValueError(f"a frame of {len(plain) - 1} bytes exceeds max_frame {self.max_frame}")
         header, sealed = self._seal(plain)

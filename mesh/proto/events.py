@@ -423,7 +423,13 @@ def _decode_batch_step(view: memoryview) -> "BatchStep | None":
         return None
 
 
-_GROUP_COUNT = struct.Struct("<II")
+_GROUP_COUNT = struct.Struct("<II")     # Tokens and Done: group, then the count of u32 token ids
+
+
+def tokens_reply(msg_type: MsgType, group: int, tokens: tuple[int, ...]) -> bytes:
+    """The plaintext (type byte, payload) of a Tokens or Done event, as the table encodes it, without building the
+    event (a peer's steady decode step, mesh/proto/steady.py). struct.error for a value out of u32."""
+    return bytes((msg_type,)) + _GROUP_COUNT.pack(group, len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def is_known(type_byte: int) -> bool:

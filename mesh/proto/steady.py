@@ -3,7 +3,7 @@
 One stream decoding sends every stage the same frame token after token: a one-column BatchStep whose bytes change
 only in the group, the column's position and token, and the activation rows. `SteadyStep` is made from a step that
 was decoded (and so checked) the usual way; `match` then recognises the next one from its plaintext with a length
-check and four byte compares, and `forward` / `tokens_reply` write the plaintext of the reply the usual encoder
+check and four byte compares, and `forward` / `events.tokens_reply` write the plaintext of the reply the usual encoder
 would write. A peer's reader uses it for a step it computes at once (mesh/peer.py `_steady_step`): on this 2-core
 box the decode, the reply event and its encode were ~0.2 ms of cold Python a stage a token (NOTES "The steady
 step").
@@ -11,7 +11,8 @@ step").
 Why a byte compare is as good as a decode: a frame that equals a checked step in every other byte decodes to that
 step with another group (any u32 is a group), position and token (any u32 passes the wire; the Stage checks both,
 as for any step) and other rows (the rows' bytes are never checked, only their count, which the length fixes).
-tests/test_proto.py holds `match`, `forward` and `tokens_reply` to the decoder's and the encoder's bytes.
+tests/test_steady_step.py holds `match`, `forward`, `plain_for` and events.tokens_reply to the decoder's and the
+encoder's bytes.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from .events import BatchStep, Column, MsgType, Sampling, activation_head, encod
 _VARIABLE = struct.Struct("<I5xI5xI")     # group, pos, token (from offset 1)
 _FIELDS = struct.Struct("<I5sI5sI")       # the same with the bytes between them
 _PRESENT = 23
-_GROUP_COUNT = struct.Struct("<BII")      # type, group, count: the head of Tokens and Done
 
 
 class SteadyStep:
@@ -81,8 +81,3 @@ class SteadyStep:
         `activation_head`)."""
         return b"".join((raw[:_PRESENT], act_head, rows, raw[self.rows_end:]))
 
-
-def tokens_reply(msg_type: MsgType, group: int, tokens: tuple[int, ...]) -> bytes:
-    """The plaintext of a Tokens or Done event (group u32, then u32 token ids). struct.error for a value out of
-    u32."""
-    return _GROUP_COUNT.pack(msg_type, group, len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens)
