@@ -64,6 +64,10 @@
 #                              the parent's), a serving-like 16-column step taken apart (decode_profile --spread
 #                              --cprofile), then the bare steps. The device gets /work/main's checkout, not a helper's
 #                              worktree: land first, then run from the repository root (carry .whl .wx)
+#   bench/h200_synth.sh s12    tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph
+#                              (engine/cuda_graph.py): tests/test_cuda_graph.py on CUDA (bits equal tinygrad's graph),
+#                              the serving-like 16-column and the 1-column step with MESH_LEAN_GRAPH=0 and 1
+#                              (decode_profile --cprofile), then serve_bench local 1,16 lean / tinygrad's / lean
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -78,7 +82,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -731,6 +735,30 @@ s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8
     l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile $args: no time"; continue; }
     echo "== decode_profile $args (limit ${l}s)"
     timeout $l python3 bench/decode_profile.py --model $M/$F.gguf $args 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12)  # tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph against tinygrad's on 1.1b-Q8_0
+  { date -u; nproc; uptime; lscpu | grep "Model name"; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  export MESH_GPU_MV=${S11_MV-tc} DEV=CUDA
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 240); echo "== tests/test_cuda_graph.py (limit ${l}s)"
+  timeout $l python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -15 | tee -a "$OUT/tests.txt"
+  for args in "--batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 --cprofile" "--batch 1 --steps 20 --pos 100 --ctx 512"; do
+    for lean in 0 1; do
+      l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile $args lean=$lean: no time"; continue; }
+      echo "== decode_profile $args MESH_LEAN_GRAPH=$lean (limit ${l}s)"
+      MESH_LEAN_GRAPH=$lean timeout $l python3 bench/decode_profile.py --model $M/$F.gguf $args 2>&1 | grep -v Warning \
+        | tee -a "$OUT/steps.txt"
+    done
+  done
+  for lean in ${S12_SERVE-1 0 1}; do
+    l=$(lim 170); [ "$l" -gt 60 ] || { echo "skip serve_bench MESH_LEAN_GRAPH=$lean: no time"; continue; }
+    echo "== serve_bench local 1,16, MESH_LEAN_GRAPH=$lean (limit ${l}s)"
+    MESH_LEAN_GRAPH=$lean timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
+      | grep -v Warning | tee -a "$OUT/serve.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

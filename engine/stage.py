@@ -15,11 +15,13 @@ from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.dtype import _to_np_dtype
 from tinygrad.engine.jit import _prepare_jit_inputs
 
+from . import cuda_graph
 from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      device_empty, free_device_cache, load_fused, load_weight, reading, tensor_info, write_into)
 from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
+from .paged_attention import CH, gpu_split_ok
 from .matvec_gpu_tc import tc_loading, tc_stage
 from .model import Block, Group, Head, KVPages, make_block, rope_inputs
 from .program_cache import cache_path, code_identity, load_programs, read_blob, save_programs, write_blob
@@ -202,6 +204,13 @@ class Stage:
         # variable at 0, and a GPU kernel's launch axis of ctx.maximum(1) would be simplified to ctx from 1
         self._vctx = UOp.variable("ctx", 0, max_context)
         self._use_jit = use_jit
+        cuda_graph.install(str(Device.DEFAULT))  # CUDA: graphs that re-send only the nodes a step changed
+        # The GPU's split attention reads ctx only as its chunk count (paged_attention `_chunks`), so ctx rounded up to
+        # a whole chunk runs the very same launches and loops, and a graph's attention nodes change once every CH
+        # steps instead of every step (engine/cuda_graph.py re-sends only changed nodes). 1 elsewhere: the CPU's and
+        # the three-kernel path's loops follow ctx itself
+        self._ctx_round = CH if not str(Device.DEFAULT).startswith("CPU") and pages.block_size and \
+            gpu_split_ok(meta.head_dim, pages.block_size) else 1
         # greedy columns get their token picked on the device (one int back instead of the vocab's logits); not on
         # the CPU, where the logits are already in host memory. MESH_DEVICE_ARGMAX=0 turns it off (A/B runs)
         self.greedy_on_device = not str(Device.DEFAULT).startswith("CPU") and \
@@ -593,6 +602,8 @@ class Stage:
         every_row = self.last and picks == tuple(range(size))
         shape = (size, jit_runs, -1 if every_row else len(picks)) + (("greedy",) if greedy else ())
         ctx = max(int(r[3]) + n for (_, n), r in zip(jit_runs, runs))
+        if (k := self._ctx_round) > 1:
+            ctx = min(-(-ctx // k) * k, self.max_context)
         # the bound UOps themselves are built only where a capture or a jit call needs them (each bind is a UOp
         # built through tinygrad's cache); their names are read once
         if (names := self._var_names) is None:
