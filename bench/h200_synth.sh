@@ -68,6 +68,10 @@
 #                              (engine/cuda_graph.py): tests/test_cuda_graph.py on CUDA (bits equal tinygrad's graph),
 #                              the serving-like 16-column and the 1-column step with MESH_LEAN_GRAPH=0 and 1
 #                              (decode_profile --cprofile), then serve_bench local 1,16 lean / tinygrad's / lean
+#   bench/h200_synth.sh s12b   a fresh machine: 8b-Q4_0 written in the background; ncu kernel time of the 1.1b-Q8_0
+#                              serving-like 16-column and the 1-column step (tensor cores: what a column adds on the
+#                              GPU), then bench/mesh_bench.py 1 and 3 peers on 8b-Q4_0 with the stage in the peer
+#                              (issue 10, lean graphs)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -82,7 +86,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -760,6 +764,29 @@ s12)  # tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph a
     MESH_LEAN_GRAPH=$lean timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
       | grep -v Warning | tee -a "$OUT/serve.txt"
   done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12b)  # tenth session: where a 16-column step's GPU time goes (ncu), then issue 10's chain on the 8B shape
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0 B8=8b-Q4_0
+  ( [ -f $M/.$B8 ] || { nice python3 bench/synth_gguf.py $M/$B8.gguf --shape 8b --type Q4_0 > "$OUT/synth8b.txt" 2>&1 \
+      && touch $M/.$B8; } ) &
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for args in "--batch 16 --pos 40 --spread 8 --ctx 512" "--batch 1 --pos 100 --ctx 512" "--batch 8 --pos 40 --spread 16 --ctx 512"; do
+    l=$(lim 120); [ "$l" -gt 40 ] || { echo "skip ncu $args: no time"; continue; }
+    n=$(echo $args | tr -c 'a-z0-9' _)
+    echo "== ncu $F $args (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
+      --csv python3 bench/decode_profile.py --model $M/$F.gguf --ncu --steps 3 $args > "$OUT/ncu_$n.csv" 2>&1
+    python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_$n.csv" --steps 3 2>&1 | head -30 | tee -a "$OUT/profile.txt"
+  done
+  wait
+  l=$(lim 300); [ "$l" -gt 120 ] || { echo "skip mesh_bench: no time"; exit 0; }
+  echo "== mesh_bench $B8 1,3 peers, stage in the peer (limit ${l}s)"
+  MESH_STAGE_IN_PEER=1 DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$B8.gguf --peers 1,3 --rounds 2 \
+    --tokens 64 ${S12B_AB:+--ab $S12B_AB} 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
