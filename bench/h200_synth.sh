@@ -72,6 +72,9 @@
 #                              serving-like 16-column and the 1-column step (tensor cores: what a column adds on the
 #                              GPU), then bench/mesh_bench.py 1 and 3 peers on 8b-Q4_0 with the stage in the peer
 #                              (issue 10, lean graphs)
+#   bench/h200_synth.sh s12c   a fresh machine: bench/stage_ab.py (tinygrad's CUDA graph against the lean one in one
+#                              process, a step split into inputs / launch / wait) on the 8B middle third, the 1.1B
+#                              whole at 1 column and at 16 columns on the tensor cores
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -86,7 +89,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -787,6 +790,27 @@ s12b)  # tenth session: where a 16-column step's GPU time goes (ncu), then issue
   echo "== mesh_bench $B8 1,3 peers, stage in the peer (limit ${l}s)"
   MESH_STAGE_IN_PEER=1 DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$B8.gguf --peers 1,3 --rounds 2 \
     --tokens 64 ${S12B_AB:+--ab $S12B_AB} 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12c)  # tenth session: the fixed cost of a stage's step, tinygrad's graph against the lean one (bench/stage_ab.py)
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  for f in 8b-Q4_0 1.1b-Q8_0; do
+    [ -f $M/.$f ] || { python3 bench/synth_gguf.py $M/$f.gguf --shape ${f%-*} --type ${f#*-} > "$OUT/synth_$f.txt" 2>&1; touch $M/.$f; }
+  done
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  while read -r f args; do
+    l=$(lim 150); [ "$l" -gt 45 ] || { echo "skip stage_ab $f $args: no time"; continue; }
+    echo "== stage_ab $f $args (limit ${l}s)"
+    env ${S12C_ENV:-} DEV=CUDA timeout $l python3 bench/stage_ab.py --model $M/$f.gguf $args 2>&1 | grep -v Warning \
+      | tee -a "$OUT/stage_ab.txt"
+  done <<EOF2
+8b-Q4_0 --layers 11:22 --steps 100 --rounds 4 --profile
+1.1b-Q8_0 --layers 0:22 --steps 100 --rounds 4
+8b-Q4_0 --layers 0:11 --steps 100 --rounds 2
+EOF2
+  l=$(lim 150); [ "$l" -gt 45 ] && { echo "== stage_ab 1.1b-Q8_0 tc 16 columns (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/stage_ab.py --model $M/1.1b-Q8_0.gguf --layers 0:22 --batch 16 \
+      --steps 50 --rounds 4 2>&1 | grep -v Warning | tee -a "$OUT/stage_ab.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
