@@ -70,6 +70,23 @@ def _raw_for(replay: CpuReplay, inputs) -> _Raw:
                 np.dtype(_to_np_dtype(ret.dtype)), replay)
 
 
+def _buffer_view(addr: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """A numpy view of host memory at `addr` (a replayed step's output buffer): no copy."""
+    n = dtype.itemsize * math.prod(shape)
+    return np.frombuffer((ctypes.c_char * n).from_address(addr), dtype).reshape(shape)
+
+
+def _pick_rows(logits: np.ndarray, samplings: list, cols: Sequence[Column], picks: Sequence[int]) -> np.ndarray:
+    """The token of each logits row (row j: column picks[j]), as `pick_token` picks it. All greedy: one argmax over
+    the rows (numpy's first largest value of each row, as pick_token's argmax of the row) instead of a Python call
+    per column."""
+    if len(samplings) != len(picks):
+        samplings = samplings * len(picks)  # one for all
+    if all(s.temperature == 0.0 for s in samplings):
+        return logits.argmax(axis=1).astype(np.int32)
+    return np.array([pick_token(logits[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], dtype=np.int32)
+
+
 def _copy_out(t: Tensor) -> np.ndarray:
     """A realized device tensor's contents as a new host array, without `.numpy()`'s realize and copy schedule."""
     buf = t.uop.buffer
@@ -460,14 +477,13 @@ class Stage:
         except ValueError as exc:
             raise EngineError(str(exc)) from None
         greedy = self.last and self.greedy_on_device and all(s.temperature == 0.0 for s in samplings)
-        out = self._forward(cols, hidden, greedy)
+        # the last stage picks its tokens at once, so a replayed step's logits are read where the head wrote them
+        out = self._forward(cols, hidden, greedy, view=self.last and not greedy)
         if not self.last:
             return out
         if greedy:  # the ids, picked on the device
             return out
-        if len(samplings) != len(picks):
-            samplings = samplings * len(picks)  # one for all
-        return np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], dtype=np.int32)
+        return _pick_rows(out, samplings, cols, picks)
 
     def step_logits(self, cols: Sequence[Column], hidden: np.ndarray | None = None) -> np.ndarray:
         """Like step on the last stage, but return the (M, vocab) float32 logits of the needs_logits columns."""
@@ -475,7 +491,9 @@ class Stage:
             raise EngineError(f"stage [{self.start}, {self.end}) is not the last stage and has no logits")
         return self._forward(cols, hidden)
 
-    def _forward(self, cols: Sequence[Column], hidden: np.ndarray | None, greedy: bool = False) -> np.ndarray:
+    def _forward(self, cols: Sequence[Column], hidden: np.ndarray | None, greedy: bool = False,
+                 view: bool = False) -> np.ndarray:
+        """view: a replayed step's output may be a view of its output buffer, valid until this stage's next step."""
         runs = self._groups(cols)
         N = len(cols)
         if self.first:
@@ -507,7 +525,7 @@ class Stage:
                 off += n
             out = outs[0] if len(outs) == 1 else np.concatenate(outs)
         else:
-            out = self._run(x_np, runs, N, tuple(picks), greedy=greedy)
+            out = self._run(x_np, runs, N, tuple(picks), greedy=greedy, view=view)
         for col, n, slot, pos in runs:
             self._lengths[slot] = pos + n
         return out
@@ -519,7 +537,7 @@ class Stage:
         return self._rope_layers and os.environ.get("MESH_GPU_ROPE_WRITE") != "0"
 
     def _run(self, x_np: np.ndarray, runs: Sequence[tuple[int, int, int, int]], size: int,
-             picks: tuple[int, ...], execute: bool = True, greedy: bool = False) -> np.ndarray | None:
+             picks: tuple[int, ...], execute: bool = True, greedy: bool = False, view: bool = False) -> np.ndarray | None:
         """One compiled step over the rows of x_np in `runs` (col, n, slot, pos), zero rows appended up to `size`
         (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks` (greedy:
         their argmax ids, int32, taken on the device). execute=False (warmup): only compile the shape, when that
@@ -537,7 +555,7 @@ class Stage:
         shape, var_vals, picks, every_row, ctx = self._key(runs, jit_runs, size, picks, greedy)
         resident = self._rope_resident
         if (raw := self._raw.get(shape)) is not None:
-            return self._run_raw(raw, x_np, runs, size, n_real, var_vals, wanted, greedy, resident)
+            return self._run_raw(raw, x_np, runs, size, n_real, var_vals, wanted, greedy, resident, view=view)
         self._synced = False
         positions = self._positions(runs, size, n_real)
         if resident:  # the step's cos/sin inputs stay as they are: no layer reads them
@@ -654,13 +672,11 @@ class Stage:
             if self._pool.ensure(slot, pos + n) is not None:
                 self._set_table_row(slot)
         out = self._run_raw(raw, x, runs, N, N, var_vals, True, greedy, self._rope_resident,
-                            as_bytes=not self.last or greedy)
+                            as_bytes=not self.last or greedy, view=self.last and not greedy)
         for _, n, slot, pos in runs:
             self._lengths[slot] = pos + n
         if self.last and not greedy:      # the logits' rows: tokens picked here, as `step` picks them
-            if len(samplings) != len(picks):
-                samplings = samplings * len(picks)
-            ids = np.array([pick_token(out[j], samplings[j], cols[i].pos) for j, i in enumerate(picks)], np.int32)
+            ids = _pick_rows(out, samplings, cols, picks)
             return ids.dtype, ids.shape, ids.tobytes()
         return raw.out_dtype, (raw.out_shape if self.last else (N, *raw.out_shape[1:])), out
 
@@ -731,11 +747,16 @@ class Stage:
         return np.concatenate([np.arange(pos, pos + n, dtype=np.int64) for _, n, _, pos in runs])
 
     def _run_raw(self, raw: _Raw, x_np: np.ndarray | bytes, runs, size: int, n_real: int, var_vals: dict,
-                 wanted: bool, greedy: bool, resident: bool, as_bytes: bool = False) -> np.ndarray | bytes:
+                 wanted: bool, greedy: bool, resident: bool, as_bytes: bool = False,
+                 view: bool = False) -> np.ndarray | bytes:
         """`_run` of a shape replayed before (`_Raw`): the same inputs written, the same replay, the same output
         rows, through raw host copies. A decode step's rope rows are computed once per position, by the same call
         as `_run`'s (one position), so the bits are the same. `x_np` may be the rows' float32 bytes already, and
-        `as_bytes` returns the output rows' bytes (`step_bytes`)."""
+        `as_bytes` returns the output rows' bytes (`step_bytes`); `view` a view of the output buffer itself (valid until
+        this stage's next step: the last stage's picks read the logits where the head wrote them, no copy; 8 columns
+        are 1.5 MB of SmolLM2 logits, ~0.1 ms a step to copy). Decode columns of several slots (one position each)
+        take their rope rows from the per-position cache (`_rope_row`: the same bits as `rope_inputs` of the step's
+        positions)."""
         if not self._synced:   # what this stage's tinygrad calls queued before (a step through the jit)
             raw.dev.synchronize()
             self._synced = True
@@ -747,6 +768,9 @@ class Stage:
                 rows = self._rope_rows.get(pos := int(runs[0][3]))
                 if rows is None:
                     rows = self._rope_row(pos)
+            elif size == n_real and all(n == 1 for _, n, _, _ in runs):  # decode columns: cached rows, joined
+                got = [self._rope_rows.get(int(r[3])) or self._rope_row(int(r[3])) for r in runs]
+                rows = [b"".join(g[0] for g in got), b"".join(g[1] for g in got)]
             else:
                 rows = [np.ascontiguousarray(a, np.float32).tobytes()
                         for a in rope_inputs(self.meta, self._positions(runs, size, n_real))]
@@ -760,6 +784,8 @@ class Stage:
         shape = raw.out_shape if self.last else (n_real, *raw.out_shape[1:])
         if as_bytes:
             return ctypes.string_at(raw.out, raw.out_dtype.itemsize * math.prod(shape))
+        if view:
+            return _buffer_view(raw.out, raw.out_dtype, shape)
         out = np.empty(shape, raw.out_dtype)
         ctypes.memmove(out.ctypes.data, raw.out, out.nbytes)
         return out

@@ -8,6 +8,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import EngineError, RangeError
+from engine.sampling import pick_token
 from engine.stage import PREFILL_BUCKETS, Column, Sampling, Stage, prefill_chunks
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -148,6 +149,24 @@ def test_batched_decode_across_slots(models):
         alone = reference_logits(models["qwen2"], p + [batch_cols[j].token])[-1]
         np.testing.assert_allclose(batched[j], alone, rtol=0, atol=5e-3 * np.abs(alone).max())
     assert [s.slot_length(i) for i in range(4)] == [4, 0, 6, 2]
+
+
+def test_batched_picks_are_the_logits_picks(models):
+    # a replayed step's last stage picks each column's token from the logits where the head wrote them (no copy),
+    # greedy columns in one argmax: the same tokens as pick_token on step_logits' rows of the same step
+    (s,) = load_split(models["llama"], [])
+    for slot, p in enumerate([[5, 6, 7], [9, 8], [1, 2, 3, 4]]):
+        s.step(prefill_cols(p, slot))
+    cols = [Column(3, 0, True, 11), Column(2, 1, True, 12), Column(4, 2, True, 13)]
+    mixed = [Sampling(), Sampling(temperature=0.9, top_p=0.9, seed=5), Sampling()]
+    logits = s.step_logits(cols)    # compiles the shape: the steps below take the replay's raw path
+    want_greedy = [int(np.argmax(row)) for row in logits]
+    want_mixed = [pick_token(logits[j], mixed[j], c.pos) for j, c in enumerate(cols)]
+    for sampling, want in [(Sampling(), want_greedy), (mixed, want_mixed), (Sampling(), want_greedy)]:
+        for c in cols:
+            s.rollback(c.slot, c.pos)
+        assert s.step(cols, None, sampling).tolist() == want
+    assert len(set(want_greedy)) > 1 and want_mixed != want_greedy   # the rows differ, the draw took another token
 
 
 def test_rollback_replays_identically(models):
