@@ -18,8 +18,12 @@ def model(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("prefill") / "llama.gguf", arch="llama", n_layers=3, seed=4)
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
 @pytest.mark.parametrize("n", [1, 5, 16])
-def test_glu_is_bitwise_the_tensor_expression(n):
+def test_glu_is_bitwise_the_tensor_expression(n, threads, monkeypatch):
+    # with 3 threads a step of several rows cuts the 96 features into 3 core slices (every slice is run here, one
+    # after another, as tinygrad runs a kernel's core_id axis): the same bits as one slice
+    monkeypatch.setenv("MESH_CPU_THREADS", threads)
     rng = np.random.default_rng(n)
     gu = (rng.standard_normal((n, 2 * 96)) * rng.choice([0.01, 1, 30, 200], (n, 2 * 96))).astype(np.float32)
     gu[0, :4] = [0.0, -0.0, 90.0, -105.0]  # zero, and past exp2's range on both sides
@@ -28,8 +32,10 @@ def test_glu_is_bitwise_the_tensor_expression(n):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
 @pytest.mark.parametrize("n", [1, 3, 16, 24])
-def test_rms_norm_is_bitwise_the_tensor_expression(n):
+def test_rms_norm_is_bitwise_the_tensor_expression(n, threads, monkeypatch):
+    monkeypatch.setenv("MESH_CPU_THREADS", threads)     # 3: rows cut into 3 core slices where n allows
     rng = np.random.default_rng(10 + n)
     x = (rng.standard_normal((n, 200)) * rng.choice([1e-3, 1, 50], (n, 1))).astype(np.float32)
     w = rng.standard_normal(200).astype(np.float32)
