@@ -26,7 +26,11 @@ step's wall time splits into the worker's own step (`child`, its stage's host si
 the rest (doorbells, the child's record decode).
 `--base REV`: the same bench on git revision REV (a detached worktree in /tmp), alternating with this tree round by
 round in one run: side-by-side before/after. `--ab-env VAR=VALUE`: the same, this tree with and without a setting. `--profile N`: cProfile of the first mode and consumer at N streams (the decode only), top functions.
-Prints us a step and us a column (the step's host time over its columns) per row, the median of the rounds.
+Prints us a step and us a column (the step's host time over its columns) per row, the median of the rounds, and the
+CPU time a step of each process over the all-decoding steps (`cpu par`: this process, the scheduler, pipeline and
+consumers; `cpu ch`: the worker, every thread: its stage's host side and, on the CPU, the kernels with the step
+runner's waits), from /proc/PID/task/*/schedstat. On a 2-core CPU box every ms of the parent's CPU is taken from the
+worker's two compute threads: with `--model` (SmolLM2 on the CPU) this is where serving's own cost shows.
 """
 from __future__ import annotations
 
@@ -108,10 +112,32 @@ def child(args) -> dict:
         def __getattr__(self, name):
             return getattr(self.w, name)
 
+    def cpu_ns(pid: int) -> int:
+        """CPU time of every thread of process pid so far, ns (/proc/PID/task/*/schedstat: time on a CPU)."""
+        total = 0
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):   # a thread that ended meanwhile
+                pass
+        return total
+
     async def one(stage, n: int, consumer: str) -> dict:
         pipe = LocalPipeline(stage)
         sched = Scheduler(pipe, n_slots=n_slots, max_context=context, max_queue=n)
         times: list[list[float]] = [[] for _ in range(n)]
+        # CPU of this process and of the worker over the all-decoding steps: a snapshot when the last stream has
+        # its first token and one when the first stream is 2 tokens from its end (steps counted by the stage)
+        pid = getattr(getattr(stage, "w", None), "pid", None)
+        snaps: list[tuple[int, int, int]] = []
+        firsts = [0]
+
+        def mark(k: int) -> None:       # a stream has had k tokens
+            if k == 1:
+                firsts[0] += 1
+            if (k == 1 and firsts[0] == n) or (k == args.steps - 2 and len(snaps) == 1):
+                snaps.append((len(stage.sent), cpu_ns(os.getpid()), cpu_ns(pid) if pid else 0))
 
         async def consume(i: int) -> None:
             samp = Sampling(temperature=1.0, top_p=0.95, seed=1000 + i) if args.sampled else Sampling()
@@ -121,10 +147,14 @@ def child(args) -> dict:
                     out = []
                     async for t in g:
                         out.append(t)
+                        mark(len(out))
                 else:
                     text, head = _Text(tok, ("\n\n\n\n",)), {"id": "chatcmpl-x", "object": "chat.completion.chunk",
                                                              "created": 0, "model": "m"}
+                    k = 0
                     async for t in g:
+                        k += 1
+                        mark(k)
                         piece = text.feed(t % vocab)
                         if piece:
                             _sse({**head, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
@@ -153,7 +183,11 @@ def child(args) -> dict:
         # the parent's critical path: a step's answer in -> the next step out (the window's steps only)
         idx = [i for i in range(1, len(stage.sent)) if ta < stage.received[i - 1] <= tb]
         gap_us = statistics.median(stage.sent[i] - stage.received[i - 1] for i in idx) * 1e6 if idx else 0.0
-        return {"wall_us": wall_us, "compute_us": compute_us, "host_us": wall_us - compute_us, "gap_us": gap_us}
+        cpu = {}
+        if len(snaps) == 2 and snaps[1][0] > snaps[0][0]:
+            k = snaps[1][0] - snaps[0][0]
+            cpu = {"parent_cpu_us": (snaps[1][1] - snaps[0][1]) / k / 1e3, "child_cpu_us": (snaps[1][2] - snaps[0][2]) / k / 1e3}
+        return {"wall_us": wall_us, "compute_us": compute_us, "host_us": wall_us - compute_us, "gap_us": gap_us, **cpu}
 
     def core(n: int) -> dict:
         """The sans-IO core alone: form() and apply() of a decode step of n sequences, best of 7 x 2000."""
@@ -287,7 +321,7 @@ def main() -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     keys = list(got["this"][0])
     print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}{'child':>8s}"
-                                                    for t in trees)
+                                                    f"{'cpu par':>8s}{'cpu ch':>8s}" for t in trees)
           + ("  this/base host, gap" if len(trees) > 1 else ""))
     for k in keys:
         n = int(k.rsplit("/", 1)[1])
@@ -296,13 +330,15 @@ def main() -> None:
             host = statistics.median(x[k]["host_us"] for x in got[t])
             gap = statistics.median(x[k]["gap_us"] for x in got[t])
             child_us = statistics.median(x[k]["compute_us"] for x in got[t])
+            cpu = [statistics.median(x[k].get(c, float("nan")) for x in got[t]) for c in ("parent_cpu_us", "child_cpu_us")]
             meds.append((host, gap))
-            cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}{child_us:8.0f}"
+            cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}{child_us:8.0f}{cpu[0]:8.0f}{cpu[1]:8.0f}"
         ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if len(trees) > 1 else ""
         print(f"{k:<22s}{cells}{ratio}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}. host: the step's wall time over the window (worker rows: less the child's "
           f"compute_ms); gap: median time from a step's answer in to the next step out (the host's critical path); "
-          f"child: the worker's own step, us (StepDone.compute_ms: its stage's step, host side included)")
+          f"child: the worker's own step, us (StepDone.compute_ms: its stage's step, host side included); cpu par / "
+          f"cpu ch: CPU time a step of this process / of the worker process, every thread, us (the all-decoding steps)")
 
 
 if __name__ == "__main__":
