@@ -75,6 +75,9 @@
 #   bench/h200_synth.sh s12c   a fresh machine: bench/stage_ab.py (tinygrad's CUDA graph against the lean one in one
 #                              process, a step split into inputs / launch / wait) on the 8B middle third, the 1.1B
 #                              whole at 1 column and at 16 columns on the tensor cores
+#   bench/h200_synth.sh s12d   a fresh machine: the 8B Q4_0 split [0,11,22,32] in one process (engine_bench's split:
+#                              the partial steps' own cost, one CUDA context), then mesh_bench 1 and 3 peers with the
+#                              lean graph against tinygrad's (--ab MESH_LEAN_GRAPH=0; issue 10)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -89,7 +92,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -811,6 +814,20 @@ EOF2
   l=$(lim 150); [ "$l" -gt 45 ] && { echo "== stage_ab 1.1b-Q8_0 tc 16 columns (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/stage_ab.py --model $M/1.1b-Q8_0.gguf --layers 0:22 --batch 16 \
       --steps 50 --rounds 4 2>&1 | grep -v Warning | tee -a "$OUT/stage_ab.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12d)  # tenth session (issue 10): the 8B chain's cost a stage, one process against three
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=8b-Q4_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 8b --type Q4_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 150); echo "== engine_bench $F split 0,11,22,32 in one process (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/engine_bench.py --model $M/$F.gguf --synthetic-prompt 16 --tokens 64 --ctx 256 \
+    --splits 0,11,22,32 --skip llama,memory,batch,engine,coldstart 2>&1 | grep -v Warning | tee -a "$OUT/split.txt"
+  l=$(lim 330); [ "$l" -gt 120 ] || { echo "skip mesh_bench: no time"; exit 0; }
+  echo "== mesh_bench $F 1,3 peers, --ab MESH_LEAN_GRAPH=0 (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$F.gguf --peers 1,3 --rounds 2 --tokens 64 \
+    --ab MESH_LEAN_GRAPH=0 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
