@@ -121,6 +121,18 @@ def _write_kernel(runs: Sequence[Run], B: int, width: int, k_off: int, v_off: in
 
     def kernel(pk: UOp, pv: UOp, src: UOp, table: UOp) -> UOp:
         N, W = src.shape[0], width
+        if N > 1 and os.environ.get("MESH_CPU_SPLIT_SMALL", "1") != "0":
+            # columns split over the cores (engine/cpu_kernels.py: a one-slice kernel leaves the other thread
+            # spinning; ~4 us a layer at 8 columns); a copy, so the same values in any split
+            c, _, ends = _cpu_pairs(N, 1)
+            slot, pos = _slot_pos(c, runs)
+            stores = []
+            for i, (pool, off) in enumerate(((pk, k_off), (pv, v_off))):
+                j = UOp.range(W, 2 + i)
+                row = _row(table, slot, pos, B, pool.shape[0] // W)
+                at = _k_at(row, j, W, B, gpu) if pool is pk else row * W + j
+                stores.append(pool[at].store(src[c, j + off].cast(pool.dtype)).end(j))
+            return UOp.group(*stores).end(*ends).sink(arg=KernelInfo(name=f"kv_write_{tag}", opts_to_apply=()))
         stores = []
         for i, (pool, off) in enumerate(((pk, k_off), (pv, v_off))):
             c, j = UOp.range(N, 2 * i, _outer(gpu)), UOp.range(W, 2 * i + 1, _outer(gpu))
