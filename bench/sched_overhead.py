@@ -186,7 +186,8 @@ def child(args) -> dict:
         cpu = {}
         if len(snaps) == 2 and snaps[1][0] > snaps[0][0]:
             k = snaps[1][0] - snaps[0][0]
-            cpu = {"parent_cpu_us": (snaps[1][1] - snaps[0][1]) / k / 1e3, "child_cpu_us": (snaps[1][2] - snaps[0][2]) / k / 1e3}
+            cpu = {"parent_cpu_us": (snaps[1][1] - snaps[0][1]) / k / 1e3,
+                   "child_cpu_us": (snaps[1][2] - snaps[0][2]) / k / 1e3}
         return {"wall_us": wall_us, "compute_us": compute_us, "host_us": wall_us - compute_us, "gap_us": gap_us, **cpu}
 
     def core(n: int) -> dict:
@@ -330,7 +331,8 @@ def main() -> None:
             host = statistics.median(x[k]["host_us"] for x in got[t])
             gap = statistics.median(x[k]["gap_us"] for x in got[t])
             child_us = statistics.median(x[k]["compute_us"] for x in got[t])
-            cpu = [statistics.median(x[k].get(c, float("nan")) for x in got[t]) for c in ("parent_cpu_us", "child_cpu_us")]
+            cpu = [statistics.median(x[k].get(c, float("nan")) for x in got[t])
+                   for c in ("parent_cpu_us", "child_cpu_us")]
             meds.append((host, gap))
             cells += f"{host:24.1f}{host / n:7.1f}{gap:8.1f}{child_us:8.0f}{cpu[0]:8.0f}{cpu[1]:8.0f}"
         ratio = f"  {meds[1][0] / meds[0][0]:8.2f} {meds[1][1] / meds[0][1]:5.2f}" if len(trees) > 1 else ""

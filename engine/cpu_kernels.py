@@ -11,8 +11,9 @@ Both kernels of a step of several columns are cut into core slices (a GLOBAL axi
 hands them to both cores, engine/cpu_runner.py). Why: a kernel of one slice runs on one thread while the other spins
 at the next kernel's wait; in SmolLM2's 8-column decode step these kernels (30 glu, 61 norms) were ~0.36 ms of one
 core with the other idle (the KV write, engine/paged_attention.py, is cut the same way). glu is cut along its
-features, the norm along its rows: each value is computed exactly as in one slice, so the bits are the same. A one-column step keeps one slice (its glu is ~3 us, the norm is fused into
-the matvec there): a meeting of the two threads costs about as much as it would save.
+features, the norm along its rows: each value is computed exactly as in one slice, so the bits are the same. A
+one-column step keeps one slice (its glu is ~3 us, the norm is fused into the matvec there): a meeting of the two
+threads costs about as much as it would save.
 
 CPU only: GPUs keep the Tensor expression (their kernels are already one thread per element).
 """

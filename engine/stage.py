@@ -537,7 +537,8 @@ class Stage:
         return self._rope_layers and os.environ.get("MESH_GPU_ROPE_WRITE") != "0"
 
     def _run(self, x_np: np.ndarray, runs: Sequence[tuple[int, int, int, int]], size: int,
-             picks: tuple[int, ...], execute: bool = True, greedy: bool = False, view: bool = False) -> np.ndarray | None:
+             picks: tuple[int, ...], execute: bool = True, greedy: bool = False,
+             view: bool = False) -> np.ndarray | None:
         """One compiled step over the rows of x_np in `runs` (col, n, slot, pos), zero rows appended up to `size`
         (one run only). Returns the (rows, dim) activations, or on the last stage the logits rows of `picks` (greedy:
         their argmax ids, int32, taken on the device). execute=False (warmup): only compile the shape, when that
