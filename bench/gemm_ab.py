@@ -34,7 +34,7 @@ def main() -> None:
     a = ap.parse_args()
     from tinygrad import Tensor, TinyJit
     from engine import quant_gemm
-    old = base_module(a.base, "quant_gemm", ("from . import", "from engine import"))
+    old = base_module(a.base, "quant_gemm")
     kernels = {"old": old.gemm_kernel, "new": quant_gemm.gemm_kernel}
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):

@@ -9,6 +9,7 @@ so a noisy box slows both alike. Prints median microseconds, their ratio, and wh
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -56,13 +57,15 @@ def alternate(fns: dict, x, reps: int) -> tuple[float, float]:
     return statistics.median(ts["old"]) * 1e6, statistics.median(ts["new"]) * 1e6
 
 
-def base_module(rev: str, name: str, absolute: tuple[str, str]) -> types.ModuleType:
-    """engine/<name>.py as it is at git revision `rev`, loaded as the module <name>_base (its relative import
-    absolute[0] written as absolute[1]): the old kernel of an A/B run against the working tree's."""
+def base_module(rev: str, name: str) -> types.ModuleType:
+    """engine/<name>.py as it is at git revision `rev`, loaded as the module <name>_base (its relative imports
+    written as absolute ones of the engine package): the old kernel of an A/B run against the working tree's."""
     src = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{rev}:engine/{name}.py"], text=True)
+    src = re.sub(r"^(\s*)from \.(\w*) import", lambda m: f"{m[1]}from engine{'.' + m[2] if m[2] else ''} import", src,
+                 flags=re.M)
     mod = types.ModuleType(f"{name}_base")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
-    exec(compile(src.replace(*absolute), f"{mod.__name__}.py", "exec"), mod.__dict__)
+    exec(compile(src, f"{mod.__name__}.py", "exec"), mod.__dict__)
     return mod
 
 
@@ -74,7 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     from tinygrad import Tensor, TinyJit
     from engine import quant
-    old = base_module(a.base, "quant", ("from .cpu_runner", "from engine.cpu_runner"))
+    old = base_module(a.base, "quant")
     kernels = {"old": old._matvec_kernel, "new": quant._matvec_kernel}
     rng = np.random.default_rng(0)
     for name in a.mats.split(","):
