@@ -78,6 +78,8 @@
 #   bench/h200_synth.sh s12d   a fresh machine: the 8B Q4_0 split [0,11,22,32] in one process (engine_bench's split:
 #                              the partial steps' own cost, one CUDA context), then mesh_bench 1 and 3 peers with the
 #                              lean graph against tinygrad's (--ab MESH_LEAN_GRAPH=0; issue 10)
+#   bench/h200_synth.sh s12e   a fresh machine: mesh_bench 1 and 3 peers on 8b-Q4_0 with hot waits that spin
+#                              (--ab MESH_SPIN_US=$SPIN_US, default 5000: the whole wait between a peer's steps)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -92,7 +94,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -828,6 +830,15 @@ s12d)  # tenth session (issue 10): the 8B chain's cost a stage, one process agai
   echo "== mesh_bench $F 1,3 peers, --ab MESH_LEAN_GRAPH=0 (limit ${l}s)"
   DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$F.gguf --peers 1,3 --rounds 2 --tokens 64 \
     --ab MESH_LEAN_GRAPH=0 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12e)  # tenth session (issue 10): the 8B chain with hot waits that poll without sleeping
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=8b-Q4_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 8b --type Q4_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  l=$(( $(left) - 10 )); echo "== mesh_bench $F 1,3 peers, --ab MESH_SPIN_US=${SPIN_US:-5000} (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$F.gguf --peers 1,3 --rounds ${ROUNDS:-2} --tokens 64 \
+    --ab MESH_SPIN_US=${SPIN_US:-5000} 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

@@ -31,7 +31,9 @@ are 0 and "to op" is ~0 when the step ran in the Link reader. `MESH_STAGE_IN_PEE
 compares against worker processes, `--ab MESH_STEP_IN_READER=0` against the op loop's step. The unsharded engine is
 always one worker process. The coordinator of each fleet runs in this process; `--ab MESH_HOT_SINK=0` sets its
 config (CoordConfig.hot_sink: the decode loop reads the sink hop itself, Link.pump) as well as the peers' env, and
-so does `--ab MESH_STEADY=0` (CoordConfig.steady, the peers' steady decode step: mesh/proto/steady.py).
+so does `--ab MESH_STEADY=0` (CoordConfig.steady, the peers' steady decode step: mesh/proto/steady.py), and
+`--ab MESH_SPIN_US=N` (mesh/link.py SPIN: hot waits poll without sleeping for N us first, on a host with cores to
+spare).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ from engine.sources import default_model_path  # noqa: E402
 from engine.stage import Column, Sampling  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.worker import open_worker  # noqa: E402
+import mesh.link as link_mod  # noqa: E402
 from mesh import proto  # noqa: E402
 from mesh.coordinator import CoordConfig, Coordinator  # noqa: E402
 from mesh.pipeline import LocalPipeline, generate  # noqa: E402
@@ -168,6 +171,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
     env.pop("MESH_TOKEN", None)
     if token:
         env["MESH_TOKEN"] = token
+    spin_before = link_mod.SPIN     # an --ab of MESH_SPIN_US goes to the coordinator (its sink's hot wait) too
+    link_mod.SPIN = link_mod.spin_from_env(env)
     try:
         async with trio.open_nursery() as nursery:
             await coord.serve_registry(nursery)
@@ -202,6 +207,7 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
         if died:
             raise SystemExit("mesh_bench: a peer died before the fleet formed" + "".join(f"\n  {d}" for d in died))
     finally:
+        link_mod.SPIN = spin_before
         for p in procs:
             with contextlib.suppress(ProcessLookupError):   # a peer that died alone left no group
                 os.killpg(p.pid, signal.SIGKILL)

@@ -323,6 +323,11 @@ def coord_main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         sys.exit(f"mesh-coord: model {args.model or '(default)'}: {exc}")
     _check_model("mesh-coord", Path(model))
+    from mesh.link import spin_from_env
+    try:
+        spin_from_env()     # a bad MESH_SPIN_US is said here, before anything listens
+    except ValueError as exc:
+        sys.exit(f"mesh-coord: {exc}")
     if args.layers and args.layers[0] != 0:
         sys.exit("mesh-coord: --layers must start at 0 (the coordinator holds the first layers)")
     ice = _ice("mesh-coord", args)
@@ -651,8 +656,10 @@ def peer_main(argv: list[str] | None = None) -> None:
     if model is not None:
         _check_model("mesh-peer", model)
     from engine.local_stage import stage_in_process
+    from mesh.link import spin_from_env
     try:
-        stage_in_process()  # a bad MESH_STAGE_IN_PEER is said here, not after the peer joined
+        stage_in_process()  # a bad MESH_STAGE_IN_PEER (or MESH_SPIN_US) is said here, not after the peer joined
+        spin_from_env()
     except ValueError as exc:
         sys.exit(f"mesh-peer: {exc}")
     _run("mesh-peer", Peer(cfg).run)

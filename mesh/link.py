@@ -50,6 +50,10 @@ HOT_BLOCK = 0.1
 """The longest a hot link's reader holds the event loop in one blocking wait for its bytes (`Link.hot`)."""
 HOT_WINDOW = 0.5
 """A hot link's reader waits for its bytes in blocking waits for this long after `take` last consumed an event."""
+SPIN_ENV = "MESH_SPIN_US"
+"""Microseconds a hot wait polls its sockets without sleeping before it blocks (default 0: it blocks at once). On a
+host with cores to spare (a GPU peer's CPU idles while its stage runs), a reader that never sleeps holds the next
+bytes without the wake-up of a halted core, and the writer's `os.write` wakes no one (`SPIN`)."""
 _HOT: set = set()       # links whose reader is in `_hot_receive`: one blocking poll watches all of their sockets
 _PASSED = -math.inf     # CLOCK_MONOTONIC when a hot wait last let every other task run and trio poll every socket
 
@@ -482,7 +486,9 @@ class Link:
                         poller.register(other, events)
                 for other in hot:
                     poller.register(other, select.POLLIN)
-                ready = poller.poll(block * 1e3)
+                ready = _spin(poller, min(SPIN, block)) if SPIN > 0 else None
+                if not ready:
+                    ready = poller.poll(max(0.0, block - (time.perf_counter() - now)) * 1e3)
                 if not ready:
                     continue
                 if any(r != fd for r, _ in ready):      # trio's loop takes those first, then this wait goes on
@@ -632,6 +638,35 @@ def _trio_waits() -> list[tuple[int, int]] | None:
 def hot_waits_all() -> bool:
     """Whether a hot wait (`Link.hot`) in this trio run watches every socket the loop waits on (trio's epoll loop)."""
     return hasattr(select, "poll") and _trio_waits() is not None
+
+
+def spin_from_env(env=os.environ) -> float:
+    """$MESH_SPIN_US as seconds (0 if unset). A bad value is an error that names the variable."""
+    raw = env.get(SPIN_ENV, "")
+    try:
+        us = float(raw) if raw else 0.0
+    except ValueError:
+        us = -1.0
+    if not 0 <= us < 1e7:
+        raise ValueError(f"{SPIN_ENV}={raw!r}: expected microseconds, a number from 0 to 1e7")
+    return us * 1e-6
+
+
+try:
+    SPIN = spin_from_env()
+    """How long a hot wait spins before it blocks, in seconds ($MESH_SPIN_US when the module loads; a process may
+    set it later: the bench does for its coordinator)."""
+except ValueError:
+    SPIN = 0.0          # the commands say what is wrong with it at start (mesh/cli.py), before any link exists
+
+
+def _spin(poller, seconds: float) -> list:
+    """Poll without sleeping for up to `seconds`; what became ready, or [] (then the caller blocks)."""
+    until = time.perf_counter() + seconds
+    while True:
+        ready = poller.poll(0)
+        if ready or time.perf_counter() >= until:
+            return ready
 
 
 def _socket_fd(stream) -> int | None:

@@ -64,6 +64,16 @@ def test_bad_arguments_fail_before_anything_starts(role, args, words):
     one_line_error(p, f"mesh-{role}", "error:", *words)
 
 
+@pytest.mark.parametrize("role", ["coord", "peer"])
+def test_a_bad_spin_setting_is_one_line_before_anything_starts(role, model):
+    args = ["--model", str(model), "--token", TOKEN] + (["--join", "127.0.0.1:9"] if role == "peer" else
+                                                       ["--listen", "127.0.0.1:0", "--prompt", "hi"])
+    p = subprocess.run(mesh_cmd(role, *args), cwd=ROOT, env=dict(child_env(), MESH_SPIN_US="fast"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    one_line_error(p, f"mesh-{role}", "MESH_SPIN_US='fast'", "microseconds")
+
+
 def test_a_peer_without_a_token_is_told_where_to_get_one():
     p = run("peer", "--join", "127.0.0.1:9")
     assert p.returncode == 1

@@ -398,11 +398,14 @@ async def test_send_nowait_declines_what_it_cannot_write_at_once():
         assert await server.receive() == p.Ack(p.MsgType.LOAD, 4)
 
 
-async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets_are_still_served(monkeypatch):
+@pytest.mark.parametrize("spin", [0.0, 0.002])
+async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets_are_still_served(monkeypatch, spin):
     """`Link.hot`: after `take` consumed an event, the reader waits for the next bytes in a blocking poll (while no
     other task is runnable) instead of trio's loop; frames arrive in order and whole, and another link of the same
-    thread still sends and receives meanwhile (its bytes end the blocking wait, or wait at most HOT_BLOCK)."""
+    thread still sends and receives meanwhile (its bytes end the blocking wait, or wait at most HOT_BLOCK). With
+    `SPIN` the wait polls without sleeping first: the same events, the other link still served."""
     monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
+    monkeypatch.setattr(link_mod, "SPIN", spin)
     async with socket_link_pair() as (a, b), socket_link_pair() as (c, d):
         taken_in, taken_out = trio.open_memory_channel(16)
         b.take = lambda ev: (taken_in.send_nowait(ev), True)[1]
@@ -420,12 +423,22 @@ async def test_a_hot_link_reads_in_a_blocking_wait_and_the_process_other_sockets
         b.hot = False
 
 
-async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch):
+def test_the_spin_setting_is_microseconds_and_a_bad_one_is_named():
+    assert link_mod.spin_from_env({}) == 0.0
+    assert link_mod.spin_from_env({"MESH_SPIN_US": "250"}) == pytest.approx(250e-6)
+    for bad in ("fast", "-1", "nan", "1e9"):
+        with pytest.raises(ValueError, match=f"MESH_SPIN_US={bad!r}: expected microseconds"):
+            link_mod.spin_from_env({"MESH_SPIN_US": bad})
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.002])
+async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch, spin):
     """`Link.pump`: a consumer fed by `take` (the coordinator's sink) reads the link's next bytes in its own task
     by the hot wait while the reader task stays parked in trio's receive: events arrive in order and whole (what
     the reader took meanwhile too), nothing is pumped before the link is hot (no `take` yet), and an ended link is
-    reported as the reader would (the pump says False, wait_failed names it)."""
+    reported as the reader would (the pump says False, wait_failed names it). With and without `SPIN`."""
     monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
+    monkeypatch.setattr(link_mod, "SPIN", spin)
     async with socket_link_pair() as (a, b), socket_link_pair() as (c, d):
         got_in, got_out = trio.open_memory_channel(16)
         b.take = lambda ev: (got_in.send_nowait(ev), True)[1]
