@@ -21,15 +21,25 @@ one-stream median, and the range of the ratios of the same round's rows (on a sh
 minute; a single round's ratio can land anywhere from 2.5x to 5x, a median of alternated rounds far less). A lone
 stream decodes one column a step (the matvec; no companion column since 2026-12-02: the matvec sums in the GEMM's
 order). Tokens are checked: every stream of every row must equal the same prompt run alone in that mode.
+
+`--base REV` (a detached worktree of git revision REV in /tmp) or `--ab-env VAR=VALUE` (this tree with that setting):
+the bench for that tree and for this one, each round a fresh process of one round, the two alternating (base, this,
+this, base, ...); then per tree the median aggregate of each row, its ratio to the one-stream median, and each
+round's ratio. Why: this 2-core VM's speed drifts by more than a change of a few percent within minutes (one stream
+5.96-7.60 ms a step in six runs over 76 s, bench/RESULTS.md "Tenth session"), so two trees are compared only in
+alternating rounds of one command.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import secrets
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -136,6 +146,57 @@ def busy(stages, ta: float, tb: float) -> str:
     return " ".join(f"{f:.2f}" for f in fr)
 
 
+def side_by_side(args, argv: list[str]) -> None:
+    """--base / --ab-env: alternating rounds of this bench as child processes of one round each (see the docstring)."""
+    root = Path(__file__).resolve().parent.parent
+    if args.base:
+        sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", args.base], text=True).strip()
+        base = Path(tempfile.gettempdir()) / f"serve_bench_{sha[:12]}"
+        if not base.exists():
+            subprocess.check_call(["git", "-C", str(root), "worktree", "add", "--detach", str(base), sha],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        trees = {f"base {args.base}": (base, {}), "this": (root, {})}
+    else:
+        var, _, val = args.ab_env.partition("=")
+        trees = {args.ab_env: (root, {var: val}), "this": (root, {})}
+    skip = {"--base", "--ab-env", "--rounds"}
+    rest = [a for i, a in enumerate(argv) if a not in skip and (i == 0 or argv[i - 1] not in skip)
+            and not a.startswith(("--base=", "--ab-env=", "--rounds="))]
+    print(f"{' / '.join(trees)}: {args.rounds} alternating rounds of `serve_bench.py {' '.join(rest)}`, "
+          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
+    got: dict[str, list[dict]] = {t: [] for t in trees}
+    try:
+        for r in range(args.rounds):
+            for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                tree, extra = trees[t]
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH"))
+                                                                  if p), **extra)
+                out = subprocess.run([sys.executable, str(tree / "bench" / "serve_bench.py"), *rest, "--rounds", "1"],
+                                     env=env, capture_output=True, text=True)
+                rows = [ln for ln in out.stdout.splitlines() if ln.strip()[:1].isdigit() and "load" in ln]
+                if out.returncode or not rows:
+                    sys.exit(f"{t}, round {r + 1} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+                # a row: streams, agg tok/s, x1, per-stream, TTFT p50, p95, [busy ...], equal alone / DIFFERENT
+                res = {int(ln.split()[0]): (float(ln.split()[1]), "DIFFERENT" not in ln) for ln in rows}
+                got[t].append(res)
+                print(f"  round {r + 1} {t:>24s}: " + "  ".join(f"{n}: {a:.2f}" for n, (a, _) in sorted(res.items()))
+                      + ("" if all(ok for _, ok in res.values()) else "  DIFFERENT") + f"  load {os.getloadavg()[0]:.2f}",
+                      flush=True)
+    finally:
+        if args.base:
+            subprocess.call(["git", "-C", str(root), "worktree", "remove", "--force", str(trees[f"base {args.base}"][0])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for t, rounds in got.items():
+        counts = sorted(rounds[0])
+        med = {n: statistics.median(x[n][0] for x in rounds) for n in counts}
+        line = "  ".join(f"{n}: {med[n]:.2f}" + (f" ({med[n] / med[1]:.2f}x, rounds "
+                                                  f"{min(x[n][0] / x[1][0] for x in rounds):.2f}.."
+                                                  f"{max(x[n][0] / x[1][0] for x in rounds):.2f})" if 1 in med and n != 1
+                                                  else "") for n in counts)
+        print(f"{t:>24s} medians: {line}", flush=True)
+    print(f"load {os.getloadavg()[0]:.2f}", flush=True)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=None)
@@ -149,7 +210,14 @@ async def main() -> None:
                     help="sample (temperature 0.8, top_p 0.95, a seed per stream) instead of greedy decoding")
     ap.add_argument("--rounds", type=int, default=1,
                     help="every row this many times, alternating the order; prints medians and the per-round ratios")
+    ap.add_argument("--base", default=None, help="git revision to run side by side with this tree, rounds alternating")
+    ap.add_argument("--ab-env", default=None, help="VAR=VALUE: this tree with and without it, rounds alternating")
     args = ap.parse_args()
+    if args.base or args.ab_env:
+        if "," in args.modes:
+            ap.error("--base / --ab-env compare one mode: give --modes local or --modes chain")
+        side_by_side(args, sys.argv[1:])
+        return
     split = [int(x) for x in args.split.split(",")] if args.split else None
     if split and sum(split) != read_model_meta(args.model or default_model_path()).n_layers:
         ap.error(f"--split {args.split} does not add up to the model's layers")
