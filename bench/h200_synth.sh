@@ -80,6 +80,8 @@
 #                              lean graph against tinygrad's (--ab MESH_LEAN_GRAPH=0; issue 10)
 #   bench/h200_synth.sh s12e   a fresh machine: mesh_bench 1 and 3 peers on 8b-Q4_0 with hot waits that spin
 #                              (--ab MESH_SPIN_US=$SPIN_US, default 5000: the whole wait between a peer's steps)
+#   bench/h200_synth.sh s12f   a fresh machine, the session's last tree: tests/test_cuda_graph.py and
+#                              tests/test_engine_stage.py on CUDA, then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -94,7 +96,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -839,6 +841,19 @@ s12e)  # tenth session (issue 10): the 8B chain with hot waits that poll without
   l=$(( $(left) - 10 )); echo "== mesh_bench $F 1,3 peers, --ab MESH_SPIN_US=${SPIN_US:-5000} (limit ${l}s)"
   DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$F.gguf --peers 1,3 --rounds ${ROUNDS:-2} --tokens 64 \
     --ab MESH_SPIN_US=${SPIN_US:-5000} 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s12f)  # tenth session, the last tree: the GPU's tests and 16 streams once more
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 150); echo "== tests on CUDA (limit ${l}s)"
+  DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_engine_stage.py 2>&1 \
+    | tail -15 | tee -a "$OUT/tests.txt"
+  l=$(lim 170); [ "$l" -gt 60 ] && { echo "== serve_bench local 1,16 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
+      | grep -v Warning | tee -a "$OUT/serve.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac
