@@ -81,7 +81,7 @@
 #   bench/h200_synth.sh s12e   a fresh machine: mesh_bench 1 and 3 peers on 8b-Q4_0 with hot waits that spin
 #                              (--ab MESH_SPIN_US=$SPIN_US, default 5000: the whole wait between a peer's steps)
 #   bench/h200_synth.sh s12f   a fresh machine, the session's last tree: tests/test_cuda_graph.py and
-#                              tests/test_engine_stage.py on CUDA, then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
+#                              then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
