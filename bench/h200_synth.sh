@@ -80,7 +80,7 @@
 #                              lean graph against tinygrad's (--ab MESH_LEAN_GRAPH=0; issue 10)
 #   bench/h200_synth.sh s12e   a fresh machine: mesh_bench 1 and 3 peers on 8b-Q4_0 with hot waits that spin
 #                              (--ab MESH_SPIN_US=$SPIN_US, default 5000: the whole wait between a peer's steps)
-#   bench/h200_synth.sh s12f   a fresh machine, the session's last tree: tests/test_cuda_graph.py and
+#   bench/h200_synth.sh s12f   a fresh machine, the session's last tree: tests/test_cuda_graph.py on CUDA,
 #                              then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
@@ -849,7 +849,7 @@ s12f)  # tenth session, the last tree: the GPU's tests and 16 streams once more
   [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
   l=$(lim 150); echo "== tests on CUDA (limit ${l}s)"
-  DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_engine_stage.py 2>&1 \
+  DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py 2>&1 \
     | tail -15 | tee -a "$OUT/tests.txt"
   l=$(lim 170); [ "$l" -gt 60 ] && { echo "== serve_bench local 1,16 (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
