@@ -3,8 +3,9 @@
 tinygrad's `CUDAGraph.__call__` rewrites, on every call, every variable of every node that has one (a Python
 `setattr` each) and hands every such node back to the driver (`cuGraphExecKernelNodeSetParams`). A decode step of 16
 sequences binds 16 slots, 16 positions and ctx, which every layer's rope/KV-write and attention kernels read: on the
-H200 that was ~1450 `setattr` and 79 driver calls a step, 1.8-1.9 ms of host before the GPU could start a step whose
-GPU part is ~1.4 ms (bench/RESULTS.md "Ninth session: the H200's 16 streams"). Kernels, their order, arguments and
+H200 that was ~1450 `setattr` and 79 driver calls a step, 1.8-1.9 ms of host a step (bench/RESULTS.md "Ninth
+session: the H200's 16 streams"); with this class the host's launch part is 0.41 ms against 0.84 in the same process,
+and the step is bound by its GPU time ("Tenth session: the lean CUDA graph"). Kernels, their order, arguments and
 launch sizes are unchanged here, so results are bit-identical; only how the host writes the arguments differs:
 
 - every updatable kernel node's argument struct is moved into one numpy byte block (the node's `extra` launch
