@@ -253,15 +253,6 @@ def profile(args) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
-def base_tree(rev: str) -> Path:
-    sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", rev], text=True).strip()
-    path = Path(tempfile.gettempdir()) / f"sched_overhead_{sha[:12]}"
-    if not path.exists():
-        subprocess.check_call(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return path
-
-
 def run_round(tree: Path, argv: list[str], extra: dict[str, str]) -> dict:
     # the tree first, then what the caller's PYTHONPATH holds (the H200 image's packages live in /tmp/site there)
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
@@ -274,6 +265,8 @@ def run_round(tree: Path, argv: list[str], extra: dict[str, str]) -> dict:
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))   # the harness's own helper; the rounds import their tree's code in the child
+    from bench.ab_trees import ab_trees, alternating
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--steps", type=int, default=300, help="decode steps every stream takes")
@@ -303,23 +296,12 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
-    trees = {"this": (ROOT, {})}
-    if args.base:
-        trees = {f"base {args.base}": (base_tree(args.base), {}), "this": (ROOT, {})}
-    elif args.ab_env:
-        var, _, val = args.ab_env.partition("=")
-        trees = {args.ab_env: (ROOT, {var: val}), "this": (ROOT, {})}
     print(f"streams {args.streams}, {args.steps} steps, rounds {args.rounds}, cores {os.cpu_count()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
-    got: dict[str, list[dict]] = {t: [] for t in trees}
-    try:
-        for r in range(args.rounds):
-            for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                got[t].append(run_round(trees[t][0], raw, trees[t][1]))
-    finally:
-        if args.base:       # the base's worktree is registered in the repository: not left behind
-            subprocess.call(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[f"base {args.base}"][0])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with ab_trees(ROOT, args.base, args.ab_env, "sched_overhead") as trees:
+        got: dict[str, list[dict]] = {t: [] for t in trees}
+        for _, t in alternating(args.rounds, trees):
+            got[t].append(run_round(trees[t][0], raw, trees[t][1]))
     keys = list(got["this"][0])
     print(f"{'row (mode/consumer/n)':<22s}" + "".join(f"{t + ': host us/step':>24s}{'/col':>7s}{'gap':>8s}{'child':>8s}"
                                                     f"{'cpu par':>8s}{'cpu ch':>8s}" for t in trees)

@@ -50,6 +50,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ab_trees import ab_trees, alternating  # noqa: E402
 from engine.chat import render_prompt  # noqa: E402
 from engine.gguf_meta import read_model_meta  # noqa: E402
 from engine.sources import default_model_path  # noqa: E402
@@ -149,43 +150,28 @@ def busy(stages, ta: float, tb: float) -> str:
 def side_by_side(args, argv: list[str]) -> None:
     """--base / --ab-env: alternating rounds of this bench as child processes of one round each (see the docstring)."""
     root = Path(__file__).resolve().parent.parent
-    if args.base:
-        sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", args.base], text=True).strip()
-        base = Path(tempfile.gettempdir()) / f"serve_bench_{sha[:12]}"
-        if not base.exists():
-            subprocess.check_call(["git", "-C", str(root), "worktree", "add", "--detach", str(base), sha],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        trees = {f"base {args.base}": (base, {}), "this": (root, {})}
-    else:
-        var, _, val = args.ab_env.partition("=")
-        trees = {args.ab_env: (root, {var: val}), "this": (root, {})}
     skip = {"--base", "--ab-env", "--rounds"}
     rest = [a for i, a in enumerate(argv) if a not in skip and (i == 0 or argv[i - 1] not in skip)
             and not a.startswith(("--base=", "--ab-env=", "--rounds="))]
-    print(f"{' / '.join(trees)}: {args.rounds} alternating rounds of `serve_bench.py {' '.join(rest)}`, "
-          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
-    got: dict[str, list[dict]] = {t: [] for t in trees}
-    try:
-        for r in range(args.rounds):
-            for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                tree, extra = trees[t]
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH"))
-                                                                  if p), **extra)
-                out = subprocess.run([sys.executable, str(tree / "bench" / "serve_bench.py"), *rest, "--rounds", "1"],
-                                     env=env, capture_output=True, text=True)
-                rows = [ln for ln in out.stdout.splitlines() if ln.strip()[:1].isdigit() and "load" in ln]
-                if out.returncode or not rows:
-                    sys.exit(f"{t}, round {r + 1} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-                # a row: streams, agg tok/s, x1, per-stream, TTFT p50, p95, [busy ...], equal alone / DIFFERENT
-                res = {int(ln.split()[0]): (float(ln.split()[1]), "DIFFERENT" not in ln) for ln in rows}
-                got[t].append(res)
-                print(f"  round {r + 1} {t:>24s}: " + "  ".join(f"{n}: {a:.2f}" for n, (a, _) in sorted(res.items()))
-                      + ("" if all(ok for _, ok in res.values()) else "  DIFFERENT") + f"  load {os.getloadavg()[0]:.2f}",
-                      flush=True)
-    finally:
-        if args.base:
-            subprocess.call(["git", "-C", str(root), "worktree", "remove", "--force", str(trees[f"base {args.base}"][0])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with ab_trees(root, args.base, args.ab_env, "serve_bench") as trees:
+        print(f"{' / '.join(trees)}: {args.rounds} alternating rounds of `serve_bench.py {' '.join(rest)}`, "
+              f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
+        got: dict[str, list[dict]] = {t: [] for t in trees}
+        for r, t in alternating(args.rounds, trees):
+            tree, extra = trees[t]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH"))
+                                                              if p), **extra)
+            out = subprocess.run([sys.executable, str(tree / "bench" / "serve_bench.py"), *rest, "--rounds", "1"],
+                                 env=env, capture_output=True, text=True)
+            rows = [ln for ln in out.stdout.splitlines() if ln.strip()[:1].isdigit() and "load" in ln]
+            if out.returncode or not rows:
+                sys.exit(f"{t}, round {r + 1} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+            # a row: streams, agg tok/s, x1, per-stream, TTFT p50, p95, [busy ...], equal alone / DIFFERENT
+            res = {int(ln.split()[0]): (float(ln.split()[1]), "DIFFERENT" not in ln) for ln in rows}
+            got[t].append(res)
+            print(f"  round {r + 1} {t:>24s}: " + "  ".join(f"{n}: {a:.2f}" for n, (a, _) in sorted(res.items()))
+                  + ("" if all(ok for _, ok in res.values()) else "  DIFFERENT") + f"  load {os.getloadavg()[0]:.2f}",
+                  flush=True)
     for t, rounds in got.items():
         counts = sorted(rounds[0])
         med = {n: statistics.median(x[n][0] for x in rounds) for n in counts}
