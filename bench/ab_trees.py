@@ -10,6 +10,7 @@ setting. Neither: this tree alone. Rounds alternate the order (A B, B A, ...) so
 box whose speed drifts (bench/RESULTS.md: one stream moved 131-168 tok/s within 76 s)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -42,3 +43,10 @@ def alternating(rounds: int, trees: dict) -> Iterator[tuple[int, str]]:
     for r in range(rounds):
         for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
             yield r, t
+
+
+def round_env(tree: Path, extra: dict, **more: str) -> dict:
+    """A round's environment: this process's, PYTHONPATH the tree first, then what the caller's PYTHONPATH holds (the
+    H200 image's packages live in /tmp/site there), and the tree's extra setting."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **more, **extra)

@@ -254,9 +254,8 @@ def profile(args) -> None:
 
 
 def run_round(tree: Path, argv: list[str], extra: dict[str, str]) -> dict:
-    # the tree first, then what the caller's PYTHONPATH holds (the H200 image's packages live in /tmp/site there)
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, SCHED_TREE=str(tree), **extra)
+    from bench.ab_trees import round_env
+    env = round_env(tree, extra, SCHED_TREE=str(tree))
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], env=env,
                          capture_output=True, text=True)
     if out.returncode:      # the round's own error, not only its exit status

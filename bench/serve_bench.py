@@ -32,14 +32,12 @@ alternating rounds of one command.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -50,7 +48,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.ab_trees import ab_trees, alternating  # noqa: E402
+from bench.ab_trees import ab_trees, alternating, round_env  # noqa: E402
 from engine.chat import render_prompt  # noqa: E402
 from engine.gguf_meta import read_model_meta  # noqa: E402
 from engine.sources import default_model_path  # noqa: E402
@@ -159,10 +157,8 @@ def side_by_side(args, argv: list[str]) -> None:
         got: dict[str, list[dict]] = {t: [] for t in trees}
         for r, t in alternating(args.rounds, trees):
             tree, extra = trees[t]
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH"))
-                                                              if p), **extra)
             out = subprocess.run([sys.executable, str(tree / "bench" / "serve_bench.py"), *rest, "--rounds", "1"],
-                                 env=env, capture_output=True, text=True)
+                                 env=round_env(tree, extra), capture_output=True, text=True)
             rows = [ln for ln in out.stdout.splitlines() if ln.strip()[:1].isdigit() and "load" in ln]
             if out.returncode or not rows:
                 sys.exit(f"{t}, round {r + 1} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
