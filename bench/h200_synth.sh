@@ -82,6 +82,10 @@
 #                              (--ab MESH_SPIN_US=$SPIN_US, default 5000: the whole wait between a peer's steps)
 #   bench/h200_synth.sh s12f   a fresh machine, the session's last tree: tests/test_cuda_graph.py on CUDA,
 #                              then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
+#   bench/h200_synth.sh s13    eleventh session (issue 11), a fresh machine: the tensor-core matvec at 16 columns with
+#                              more row tiles a warp (MESH_GPU_TC_WARPS swept: R tiles share a warp's x pieces and
+#                              change no sum), the 1.1B matrices alone, then the serving-like 16-column step of
+#                              1.1b-Q8_0 for each of $S13_WARPS (decode_profile --spread)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -96,7 +100,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -749,6 +753,29 @@ s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8
     l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile $args: no time"; continue; }
     echo "== decode_profile $args (limit ${l}s)"
     timeout $l python3 bench/decode_profile.py --model $M/$F.gguf $args 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bound by instructions, and a warp's
+  # x pieces (split in registers at 8+ columns) serve its R row tiles: R from MESH_GPU_TC_WARPS, swept; R changes no sum
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  { [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }; } &
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for run in ${S13_MV:-1.1b:16:Q8_0 1.1b:16:Q4_0}; do
+    IFS=: read -r shape n types <<< "$run"
+    l=$(lim 170); [ "$l" -gt 40 ] || { echo "skip matvec_bench $run: no time"; continue; }
+    echo "== matvec_bench --shape $shape --n $n --types $types --tc (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape $shape --n $n --types $types --tc --reps 10 \
+      --tc-layouts ${S13_LAYOUTS:-8:2048,8:1024,8:512,8:256,8:128} 2>&1 | grep -v Warning > "$OUT/mv_$run.txt"
+    sed -n '/^summary/,$p' "$OUT/mv_$run.txt" | tee -a "$OUT/matvec_tc.txt"
+  done
+  wait
+  for w in ${S13_WARPS:-2048 512 256}; do
+    l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile WARPS=$w: no time"; continue; }
+    echo "== decode_profile 16 columns MESH_GPU_TC_WARPS=$w (limit ${l}s)"
+    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=$w DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 \
+      --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
