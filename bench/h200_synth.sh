@@ -84,8 +84,11 @@
 #                              then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
 #   bench/h200_synth.sh s13    eleventh session (issue 11), a fresh machine: the tensor-core matvec at 16 columns with
 #                              more row tiles a warp (MESH_GPU_TC_WARPS swept: R tiles share a warp's x pieces and
-#                              change no sum), the 1.1B matrices alone, then the serving-like 16-column step of
-#                              1.1b-Q8_0 for each of $S13_WARPS (decode_profile --spread)
+#                              change no sum) and x split by a kernel of its own (MESH_GPU_TC_PRESPLIT), the 1.1B
+#                              matrices alone, then the serving-like 16-column step of 1.1b-Q8_0 for each
+#                              WARPS:PRESPLIT of $S13_WARPS (decode_profile --spread)
+#   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
+#                              without $S13B_AB (default MESH_GPU_TC_PRESPLIT=0), then tests/test_matvec_tc.py on CUDA
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -100,7 +103,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -767,16 +770,29 @@ s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bou
     l=$(lim 170); [ "$l" -gt 40 ] || { echo "skip matvec_bench $run: no time"; continue; }
     echo "== matvec_bench --shape $shape --n $n --types $types --tc (limit ${l}s)"
     DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape $shape --n $n --types $types --tc --reps 10 \
-      --tc-layouts ${S13_LAYOUTS:-8:2048,8:1024,8:512,8:256,8:128} 2>&1 | grep -v Warning > "$OUT/mv_$run.txt"
+      --tc-layouts ${S13_LAYOUTS:-8:2048:0,8:512:0,8:2048:1,8:1024:1,8:512:1,8:256:1} 2>&1 | grep -v Warning > "$OUT/mv_$run.txt"
     sed -n '/^summary/,$p' "$OUT/mv_$run.txt" | tee -a "$OUT/matvec_tc.txt"
   done
   wait
-  for w in ${S13_WARPS:-2048 512 256}; do
-    l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile WARPS=$w: no time"; continue; }
-    echo "== decode_profile 16 columns MESH_GPU_TC_WARPS=$w (limit ${l}s)"
-    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=$w DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 \
+  for wp in ${S13_WARPS:-2048:0 2048:1 512:1}; do
+    l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile $wp: no time"; continue; }
+    echo "== decode_profile 16 columns MESH_GPU_TC_WARPS:PRESPLIT=$wp (limit ${l}s)"
+    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=${wp%:*} MESH_GPU_TC_PRESPLIT=${wp#*:} DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 \
       --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s13b)  # eleventh session (issue 11): 16 streams against one with and without $S13B_AB, rounds alternating in one command
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 420); echo "== serve_bench local 1,16 --ab-env ${S13B_AB:-MESH_GPU_TC_PRESPLIT=0} (limit ${l}s)"
+  MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+    --rounds ${S13B_ROUNDS:-2} --ab-env ${S13B_AB:-MESH_GPU_TC_PRESPLIT=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  l=$(lim 150); [ "$l" -gt 40 ] && { echo "== tests/test_matvec_tc.py on CUDA (limit ${l}s)"
+    DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
+      2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s12)  # tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph against tinygrad's on 1.1b-Q8_0
