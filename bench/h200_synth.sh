@@ -87,6 +87,7 @@
 #                              change no sum) and x split by a kernel of its own (MESH_GPU_TC_PRESPLIT), the 1.1B
 #                              matrices alone, then the serving-like 16-column step of 1.1b-Q8_0 for each
 #                              WARPS:PRESPLIT of $S13_WARPS (decode_profile --spread)
+#   bench/h200_synth.sh s13c   a fresh machine: bench/tc_split_probe.py on CUDA, then s13b
 #   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
 #                              without $S13B_AB (default MESH_GPU_TC_PRESPLIT=0), then tests/test_matvec_tc.py on CUDA
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -103,7 +104,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13c, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -794,6 +795,14 @@ s13b)  # eleventh session (issue 11): 16 streams against one with and without $S
     DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
       2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s13c)  # eleventh session: the split kernel probed on CUDA (bench/tc_split_probe.py), then serve_bench with $S13B_AB
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  { [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }; } &
+  echo "== tc_split_probe"; CUDA_LAUNCH_BLOCKING=1 DEV=CUDA timeout 120 python3 bench/tc_split_probe.py 2>&1 | grep -v Warning | tail -40 | tee "$OUT/probe.txt"
+  wait
+  BUDGET=$(left) OUT=$OUT bash "$0" s13b
   ;;
 s12)  # tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph against tinygrad's on 1.1b-Q8_0
   { date -u; nproc; uptime; lscpu | grep "Model name"; } 2>&1 | tee "$OUT/env.txt"

@@ -144,6 +144,10 @@ def tc_unpack(words: np.ndarray, scales: np.ndarray, ggml_type: int) -> np.ndarr
 GROUP = 16  # columns a thread block takes (two column tiles of 8); more are groups on the grid
 SPLIT = 8  # warps over a row's blocks (a divisor of the blocks: 64..448 at the 1.1B and 8B shapes)
 WARPS = 2048  # fewer tiles a warp (R) until the matrix has this many warps (~16 an SM on the H200's 132)
+# ... where x's pieces come from shared memory; where each warp splits its x in registers (8+ columns) that split is
+# shared by the warp's R tiles, and fewer warps with more tiles each are faster: 1.1B Q8_0 at 16 columns, a layer's
+# four matvecs 65.0 -> 59.1 us at 512 (bench/RESULTS.md "Eleventh session")
+WIDE_WARPS = 512
 
 
 def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int, bool] | None:
@@ -156,7 +160,7 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
     # so a warp can take 2 tiles and split its x in registers once for both (a choice from the matrix alone)
     long = not shared_split(1, nb * 32, SPLIT, 1)
     most = int(os.environ.get("MESH_GPU_TC_SPLIT", 2 * SPLIT if long else SPLIT))
-    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS))
+    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS if n < 8 else WIDE_WARPS))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
     extra = n * (32 * S + 16 + 1) * 4 if norm else 0  # the squares' partials, their 16 sums and 1 / rms a column
@@ -251,8 +255,8 @@ def presplit_wanted(T: int, nb: int, N: int, norm: bool) -> bool:
     """Whether x's pieces come from a kernel of their own (`tc_split_kernel`) instead of each warp splitting them in
     registers: where the thread block does not split x into shared memory (8+ columns, the 8B ffn_down), a warp
     splits 16 columns' x (~7 instructions a value and column) for only R tiles of 16 rows, as much work as decoding
-    them. MESH_GPU_TC_PRESPLIT=0 off. The same `_pieces`, so the same values: no bit changes."""
-    return os.environ.get("MESH_GPU_TC_PRESPLIT", "1") != "0" and not _plan(T, nb, N, norm)[3]
+    them. MESH_GPU_TC_PRESPLIT=1 on. The same `_pieces`, so the same values: no bit changes."""
+    return os.environ.get("MESH_GPU_TC_PRESPLIT", "0") == "1" and not _plan(T, nb, N, norm)[3]
 
 
 def tc_split_kernel(name: str, ggml_type: int, norm: bool):
