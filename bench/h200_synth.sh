@@ -781,6 +781,9 @@ s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bou
     MESH_GPU_MV=tc MESH_GPU_TC_WARPS=${wp%:*} MESH_GPU_TC_PRESPLIT=${wp#*:} DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 \
       --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
+  l=$(lim 90); [ "$l" -gt 30 ] && { echo "== tests/test_matvec_tc.py -k split on CUDA (limit ${l}s)"
+    DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
+      -k split 2>&1 | grep -v "Warning\|warn" | tail -5 | tee "$OUT/pytest_cuda.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s13b)  # eleventh session (issue 11): 16 streams against one with and without $S13B_AB, rounds alternating in one command

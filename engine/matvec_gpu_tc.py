@@ -278,20 +278,23 @@ def tc_split_kernel(name: str, ggml_type: int, norm: bool):
 def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, residual: bool = False,
                      presplit: bool = False):
     """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
-    x (N, cols) f32, magic_word(), [norm weight (cols,) f32], [residual (N, rows) f32], [x's pieces: `presplit`]).
-    With `norm` (eps) x is RMS-normalized by the weight (x * w split into pieces, the output times 1 / sqrt(mean(x^2)
-    + eps), as the CUDA-core kernel does); with `residual` it is added to the output; with `presplit` the B values
-    are read from `tc_split_kernel`'s output instead of split in registers (only where `presplit_wanted`)."""
+    x (N, cols) f32, magic_word(), [norm weight (cols,) f32], [residual (N, rows) f32]). With `norm` (eps) x is
+    RMS-normalized by the weight (x * w split into pieces, the output times 1 / sqrt(mean(x^2) + eps), as the CUDA-core
+    kernel does); with `residual` it is added to the output. With `presplit` (only where `presplit_wanted`) x's
+    place holds `tc_split_kernel`'s output (x times the norm weight, split), the B values read from it instead of
+    split in registers; no norm weight then, and with a norm x itself comes last (its squares). Every buffer passed is read: tinygrad's graph passes a kernel all of its
+    buffers, used or not, and the driver refuses a node whose arguments outnumber the kernel's parameters."""
     def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         T, nb, _, LW = words.shape
-        N = x.shape[0]
-        norm_w = extra[0] if norm is not None else None
-        res = extra[1 if norm is not None else 0] if residual else None
-        xp = extra[-1] if presplit else None
+        N = out.shape[0]
+        fused = norm is not None
+        norm_w = extra[0] if fused and not presplit else None  # presplit: the split kernel applied it
+        res = extra[int(norm_w is not None)] if residual else None
+        xp, x = (x, extra[-1] if fused else None) if presplit else (None, x)
 
         def xin(n: UOp, k: UOp) -> UOp:
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
-        group, S, R, shared = _plan(T, nb, N, norm_w is not None)
+        group, S, R, shared = _plan(T, nb, N, fused)
         NG, NC = -(-N // group), min(N, group)
         assert not (presplit and shared), "x is split into shared memory at this width"
         NT = -(-NC // 8)
@@ -382,7 +385,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                     parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
         parts = UOp.group(*parts)
         nthr = 32 * S
-        if norm_w is not None and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
+        if fused and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
             nr = UOp.range(NC, 8)
             kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
             sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
@@ -404,13 +407,13 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
         y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + lcol], end=si)[0]
-        if norm_w is not None:
+        if fused:
             y = y * _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]
         if res is not None:
             y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "") \
+        fu = ("_norm" if fused else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "") \
             + ("_p" if xp is not None else "")
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
@@ -452,10 +455,12 @@ def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, nor
     out = Tensor.empty(N, T * 16, dtype=F32, device=words.device)
     x = x.cast(F32).contiguous()
     nw = [norm[0].cast(F32).contiguous()] if norm is not None else []
-    extra = nw + ([residual.cast(F32).contiguous()] if residual is not None else [])
+    res = [residual.cast(F32).contiguous()] if residual is not None else []
     pre = presplit_wanted(T, nb, N, norm is not None)
+    xin, extra = x, nw + res
     if pre:
         xp = Tensor.empty(3 * N * nb * 32, dtype=BF16, device=words.device)
-        extra.append(Tensor.custom_kernel(xp, x, *nw, fxn=tc_split_kernel(name, ggml_type, norm is not None))[0])
+        xin = Tensor.custom_kernel(xp, x, *nw, fxn=tc_split_kernel(name, ggml_type, norm is not None))[0]
+        extra = res + ([x] if norm is not None else [])
     kern = tc_matvec_kernel(name, ggml_type, None if norm is None else float(norm[1]), residual is not None, pre)
-    return Tensor.custom_kernel(out, words, scales, x, magic_word(str(words.device)), *extra, fxn=kern)[0]
+    return Tensor.custom_kernel(out, words, scales, xin, magic_word(str(words.device)), *extra, fxn=kern)[0]
