@@ -784,6 +784,11 @@ s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bou
   l=$(lim 90); [ "$l" -gt 30 ] && { echo "== tests/test_matvec_tc.py -k split on CUDA (limit ${l}s)"
     DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
       -k split 2>&1 | grep -v "Warning\|warn" | tail -5 | tee "$OUT/pytest_cuda.txt"; }
+  if [ -n "${S13_SERVE_AB:-}" ]; then  # then serve_bench, this tree with and without it, one round each
+    l=$(lim 300); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env $S13_SERVE_AB (limit ${l}s)"
+      MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+        --rounds 1 --ab-env $S13_SERVE_AB 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  fi
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s13b)  # eleventh session (issue 11): 16 streams against one with and without $S13B_AB, rounds alternating in one command

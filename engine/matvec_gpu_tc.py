@@ -259,19 +259,30 @@ def presplit_wanted(T: int, nb: int, N: int, norm: bool) -> bool:
     return os.environ.get("MESH_GPU_TC_PRESPLIT", "0") == "1" and not _plan(T, nb, N, norm)[3]
 
 
-def tc_split_kernel(name: str, ggml_type: int, norm: bool):
+LOG2E = 1.4426950408889634
+
+
+def glu_of(gate, up):
+    """silu(gate) * up, the expression engine/quant.py's GPU paths use (Tensors or UOps alike), so a split kernel that
+    computes it multiplies the same floats as the elementwise kernel it replaces."""
+    return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * up
+
+
+def tc_split_kernel(name: str, ggml_type: int, norm: bool, glu: bool = False):
     """The kernel for custom_kernel(xp (3 N cols,) bf16, x (N, cols) f32, [norm weight (cols,) f32]): x (times the norm
     weight) as its three pieces xp[piece, n, k'] with k' in the lanes' order (`_lane_order`), as the shared-memory
-    split lays them out, so a lane's 4 B values of both MMAs of a block are one 16-byte load."""
+    split lays them out, so a lane's 4 B values of both MMAs of a block are one 16-byte load. With `glu` x is
+    (N, 2 cols) [gate | up] and silu(gate) * up is split: the elementwise kernel before ffn_down folds into this one."""
     def kernel(xp: UOp, x: UOp, *extra: UOp) -> UOp:
-        N, C = x.shape
+        N, C = x.shape[0], x.shape[1] // (2 if glu else 1)
         total = N * C
         i = UOp.special(total // 32, "gidx0") * 32 + UOp.special(32, "lidx0")
         n, k = i // C, i % C
-        v = x[n, k] * extra[0][k] if norm else x[n, k]
+        v = glu_of(x[n, k], x[n, k + C]) if glu else x[n, k] * extra[0][k] if norm else x[n, k]
         pcs = _pieces(v)
         st = UOp.group(*[xp[p * total + n * C + _lane_order(ggml_type, k)].store(pcs[p]) for p in range(3)])
-        return st.sink(arg=KernelInfo(name=f"mvtc_split_{name}{'_norm' if norm else ''}_{N}x{C}", opts_to_apply=()))
+        fu = "_norm" if norm else "_glu" if glu else ""
+        return st.sink(arg=KernelInfo(name=f"mvtc_split_{name}{fu}_{N}x{C}", opts_to_apply=()))
     return kernel
 
 
@@ -446,21 +457,25 @@ def _inv_rms(ssp: UOp, tid: UOp, tg: UOp, lanes: tuple, NC: int, nthr: int, C: i
 
 
 def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, norm: tuple[Tensor, float] | None = None,
-                residual: Tensor | None = None) -> Tensor:
+                residual: Tensor | None = None, glu: bool = False) -> Tensor:
     """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout (`tc_repack`); `norm` (weight, eps) and
-    `residual` fused as in engine/quant.py's QuantWeight.matmul_t."""
+    `residual` fused as in engine/quant.py's QuantWeight.matmul_t; with `glu` x is (N, 2 cols) [gate | up] and
+    silu(gate) * up is multiplied."""
     from engine.matvec_gpu import magic_word
     T, nb = words.shape[0], words.shape[1]
     N, name = x.shape[0], Q(ggml_type).name.lower()
     out = Tensor.empty(N, T * 16, dtype=F32, device=words.device)
+    pre = presplit_wanted(T, nb, N, norm is not None)
+    if glu and not pre:  # an elementwise kernel of its own; the split kernel computes it where there is one
+        C = x.shape[1] // 2
+        x = glu_of(x[:, :C].cast(F32), x[:, C:].cast(F32))
     x = x.cast(F32).contiguous()
     nw = [norm[0].cast(F32).contiguous()] if norm is not None else []
     res = [residual.cast(F32).contiguous()] if residual is not None else []
-    pre = presplit_wanted(T, nb, N, norm is not None)
     xin, extra = x, nw + res
     if pre:
         xp = Tensor.empty(3 * N * nb * 32, dtype=BF16, device=words.device)
-        xin = Tensor.custom_kernel(xp, x, *nw, fxn=tc_split_kernel(name, ggml_type, norm is not None))[0]
+        xin = Tensor.custom_kernel(xp, x, *nw, fxn=tc_split_kernel(name, ggml_type, norm is not None, glu))[0]
         extra = res + ([x] if norm is not None else [])
     kern = tc_matvec_kernel(name, ggml_type, None if norm is None else float(norm[1]), residual is not None, pre)
     return Tensor.custom_kernel(out, words, scales, xin, magic_word(str(words.device)), *extra, fxn=kern)[0]
