@@ -761,30 +761,31 @@ s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bound by instructions, and a warp's
-  # x pieces (split in registers at 8+ columns) serve its R row tiles: R from MESH_GPU_TC_WARPS, swept; R changes no sum
+  # x pieces (split in registers at 8+ columns) serve its R row tiles: R from MESH_GPU_TC_WARPS (changes no sum), and
+  # x split by a kernel of its own (MESH_GPU_TC_PRESPLIT, same bits): the engine's step first, then the bits on CUDA,
+  # then the matrices alone, then serve_bench ($S13_SERVE_AB) as time allows
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
-  { [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }; } &
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  for run in ${S13_MV:-1.1b:16:Q8_0 1.1b:16:Q4_0}; do
-    IFS=: read -r shape n types <<< "$run"
-    l=$(lim 170); [ "$l" -gt 40 ] || { echo "skip matvec_bench $run: no time"; continue; }
-    echo "== matvec_bench --shape $shape --n $n --types $types --tc (limit ${l}s)"
-    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape $shape --n $n --types $types --tc --reps 10 \
-      --tc-layouts ${S13_LAYOUTS:-8:2048:0,8:512:0,8:2048:1,8:1024:1,8:512:1,8:256:1} 2>&1 | grep -v Warning > "$OUT/mv_$run.txt"
-    sed -n '/^summary/,$p' "$OUT/mv_$run.txt" | tee -a "$OUT/matvec_tc.txt"
-  done
-  wait
-  for wp in ${S13_WARPS:-2048:0 2048:1 512:1}; do
+  for wp in ${S13_WARPS:-2048:0 512:0 512:1}; do
     l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile $wp: no time"; continue; }
     echo "== decode_profile 16 columns MESH_GPU_TC_WARPS:PRESPLIT=$wp (limit ${l}s)"
-    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=${wp%:*} MESH_GPU_TC_PRESPLIT=${wp#*:} DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 \
-      --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=${wp%:*} MESH_GPU_TC_PRESPLIT=${wp#*:} DEV=CUDA timeout $l python3 bench/decode_profile.py \
+      --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
   l=$(lim 90); [ "$l" -gt 30 ] && { echo "== tests/test_matvec_tc.py -k split on CUDA (limit ${l}s)"
     DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
       -k split 2>&1 | grep -v "Warning\|warn" | tail -5 | tee "$OUT/pytest_cuda.txt"; }
-  if [ -n "${S13_SERVE_AB:-}" ]; then  # then serve_bench, this tree with and without it, one round each
+  for run in ${S13_MV:-1.1b:16:Q8_0}; do
+    IFS=: read -r shape n types <<< "$run"
+    l=$(lim 170); [ "$l" -gt 60 ] || { echo "skip matvec_bench $run: no time"; continue; }
+    echo "== matvec_bench --shape $shape --n $n --types $types --tc (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape $shape --n $n --types $types --tc --reps 10 \
+      --tc-layouts ${S13_LAYOUTS:-8:2048:0,8:512:0,8:512:1} 2>&1 | grep -v Warning > "$OUT/mv_${shape}_${n}_${types}.txt"
+    sed -n '/^summary/,$p' "$OUT/mv_${shape}_${n}_${types}.txt" | tee -a "$OUT/matvec_tc.txt"
+  done
+  if [ -n "${S13_SERVE_AB:-}" ]; then  # serve_bench, this tree with and without it, one round each
     l=$(lim 300); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env $S13_SERVE_AB (limit ${l}s)"
       MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
         --rounds 1 --ab-env $S13_SERVE_AB 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
