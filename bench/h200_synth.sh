@@ -88,6 +88,8 @@
 #                              matrices alone, then the serving-like 16-column step of 1.1b-Q8_0 for each
 #                              WARPS:PRESPLIT of $S13_WARPS (decode_profile --spread)
 #   bench/h200_synth.sh s13c   a fresh machine: bench/tc_split_probe.py on CUDA, then s13b
+#   bench/h200_synth.sh s13d   a fresh machine: ncu kernel durations of the 16- and 1-column 1.1b-Q8_0 steps (tc), the
+#                              tc kernels left out by name, then the 16-column step's own time
 #   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
 #                              without $S13B_AB (default MESH_GPU_TC_PRESPLIT=0), then tests/test_matvec_tc.py on CUDA
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -104,7 +106,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13c, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13c, s13d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -812,6 +814,28 @@ s13c)  # eleventh session: the split kernel probed on CUDA (bench/tc_split_probe
   echo "== tc_split_probe"; CUDA_LAUNCH_BLOCKING=1 DEV=CUDA timeout 120 python3 bench/tc_split_probe.py 2>&1 | grep -v Warning | tail -40 | tee "$OUT/probe.txt"
   wait
   BUDGET=$(left) OUT=$OUT bash "$0" s13b
+  ;;
+s13d)  # eleventh session (issue 11): where the 16-column step's GPU time goes beside the tensor-core matvecs: ncu's
+  # kernel durations of $S13D_STEPS serving-like steps (ncu failed on the tc kernels in s12b: they are left out by
+  # name and timed alone by matvec_bench in s13), summed per kernel kind, against the step's own time
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for b in ${S13D_BATCH:-16 1}; do
+    l=$(lim 200); [ "$l" -gt 50 ] || { echo "skip ncu batch $b: no time"; continue; }
+    echo "== ncu, tc kernels left out: decode_profile --batch $b (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l $NCU --profile-from-start off --clock-control none --kernel-name 'regex:^(?!mvtc)' \
+      --metrics gpu__time_duration.sum --csv python3 bench/decode_profile.py --model $M/$F.gguf --ncu \
+      --steps ${S13D_STEPS:-3} --batch $b --pos 40 --spread $([ $b -gt 1 ] && echo 8 || echo 0) --ctx 512 > "$OUT/ncu_$b.csv" 2>&1
+    grep -i "error" "$OUT/ncu_$b.csv" | head -5
+    python3 bench/decode_profile.py --model x --summarize "$OUT/ncu_$b.csv" --steps ${S13D_STEPS:-3} 2>&1 | head -30 | tee -a "$OUT/profile.txt"
+  done
+  l=$(lim 100); [ "$l" -gt 40 ] && { echo "== decode_profile 16 columns (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf --batch 16 --steps 20 --pos 40 \
+      --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s12)  # tenth session (issues 11 and 10), a fresh machine: the lean CUDA graph against tinygrad's on 1.1b-Q8_0
   { date -u; nproc; uptime; lscpu | grep "Model name"; } 2>&1 | tee "$OUT/env.txt"
