@@ -84,14 +84,13 @@
 #                              then serve_bench local 1,16 on 1.1b-Q8_0 (tc)
 #   bench/h200_synth.sh s13    eleventh session (issue 11), a fresh machine: the tensor-core matvec at 16 columns with
 #                              more row tiles a warp (MESH_GPU_TC_WARPS swept: R tiles share a warp's x pieces and
-#                              change no sum) and x split by a kernel of its own (MESH_GPU_TC_PRESPLIT), the 1.1B
-#                              matrices alone, then the serving-like 16-column step of 1.1b-Q8_0 for each
-#                              WARPS:PRESPLIT of $S13_WARPS (decode_profile --spread)
-#   bench/h200_synth.sh s13c   a fresh machine: bench/tc_split_probe.py on CUDA, then s13b
+#                              change no sum): the serving-like 16-column step of 1.1b-Q8_0 for each WARPS of
+#                              $S13_WARPS (decode_profile --spread), the tc tests on CUDA, the 1.1B matrices alone
+#                              (matvec_bench --tc-layouts $S13_LAYOUTS), serve_bench --ab-env $S13_SERVE_AB if set
 #   bench/h200_synth.sh s13d   a fresh machine: ncu kernel durations of the 16- and 1-column 1.1b-Q8_0 steps (tc), the
 #                              tc kernels left out by name, then the 16-column step's own time
 #   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
-#                              without $S13B_AB (default MESH_GPU_TC_PRESPLIT=0), then tests/test_matvec_tc.py on CUDA
+#                              without $S13B_AB (default MESH_GPU_TC_WARPS=2048), then tests/test_matvec_tc.py on CUDA
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -106,7 +105,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13c, s13d, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -763,17 +762,17 @@ s11)  # ninth session (issue 11), a fresh machine: the 16-stream step of 1.1b-Q8
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bound by instructions, and a warp's
-  # x pieces (split in registers at 8+ columns) serve its R row tiles: R from MESH_GPU_TC_WARPS (changes no sum), and
-  # x split by a kernel of its own (MESH_GPU_TC_PRESPLIT, same bits): the engine's step first, then the bits on CUDA,
-  # then the matrices alone, then serve_bench ($S13_SERVE_AB) as time allows
+  # x pieces (split in registers at 8+ columns) serve its R row tiles: R from MESH_GPU_TC_WARPS (changes no sum):
+  # the engine's step first, then the bits on CUDA, then the matrices alone, then serve_bench ($S13_SERVE_AB) as time
+  # allows (x split by a kernel of its own, MESH_GPU_TC_PRESPLIT, was measured here and removed: RESULTS)
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
   [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  for wp in ${S13_WARPS:-2048:0 512:0 512:1}; do
+  for wp in ${S13_WARPS:-2048 512}; do
     l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile $wp: no time"; continue; }
-    echo "== decode_profile 16 columns MESH_GPU_TC_WARPS:PRESPLIT=$wp (limit ${l}s)"
-    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=${wp%:*} MESH_GPU_TC_PRESPLIT=${wp#*:} DEV=CUDA timeout $l python3 bench/decode_profile.py \
+    echo "== decode_profile 16 columns MESH_GPU_TC_WARPS=$wp (limit ${l}s)"
+    MESH_GPU_MV=tc MESH_GPU_TC_WARPS=$wp DEV=CUDA timeout $l python3 bench/decode_profile.py \
       --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
   l=$(lim 90); [ "$l" -gt 30 ] && { echo "== tests/test_matvec_tc.py -k split on CUDA (limit ${l}s)"
@@ -784,7 +783,7 @@ s13)  # eleventh session (issue 11): the tensor-core matvec at 16 columns is bou
     l=$(lim 170); [ "$l" -gt 60 ] || { echo "skip matvec_bench $run: no time"; continue; }
     echo "== matvec_bench --shape $shape --n $n --types $types --tc (limit ${l}s)"
     DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape $shape --n $n --types $types --tc --reps 10 \
-      --tc-layouts ${S13_LAYOUTS:-8:2048:0,8:512:0,8:512:1} 2>&1 | grep -v Warning > "$OUT/mv_${shape}_${n}_${types}.txt"
+      --tc-layouts ${S13_LAYOUTS:-8:2048,8:512} 2>&1 | grep -v Warning > "$OUT/mv_${shape}_${n}_${types}.txt"
     sed -n '/^summary/,$p' "$OUT/mv_${shape}_${n}_${types}.txt" | tee -a "$OUT/matvec_tc.txt"
   done
   if [ -n "${S13_SERVE_AB:-}" ]; then  # serve_bench, this tree with and without it, one round each
@@ -799,21 +798,13 @@ s13b)  # eleventh session (issue 11): 16 streams against one with and without $S
   F=1.1b-Q8_0
   [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  l=$(lim 420); echo "== serve_bench local 1,16 --ab-env ${S13B_AB:-MESH_GPU_TC_PRESPLIT=0} (limit ${l}s)"
+  l=$(lim 420); echo "== serve_bench local 1,16 --ab-env ${S13B_AB:-MESH_GPU_TC_WARPS=2048} (limit ${l}s)"
   MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
-    --rounds ${S13B_ROUNDS:-2} --ab-env ${S13B_AB:-MESH_GPU_TC_PRESPLIT=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+    --rounds ${S13B_ROUNDS:-2} --ab-env ${S13B_AB:-MESH_GPU_TC_WARPS=2048} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
   l=$(lim 150); [ "$l" -gt 40 ] && { echo "== tests/test_matvec_tc.py on CUDA (limit ${l}s)"
     DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
       2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
-  ;;
-s13c)  # eleventh session: the split kernel probed on CUDA (bench/tc_split_probe.py), then serve_bench with $S13B_AB
-  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
-  F=1.1b-Q8_0
-  { [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }; } &
-  echo "== tc_split_probe"; CUDA_LAUNCH_BLOCKING=1 DEV=CUDA timeout 120 python3 bench/tc_split_probe.py 2>&1 | grep -v Warning | tail -40 | tee "$OUT/probe.txt"
-  wait
-  BUDGET=$(left) OUT=$OUT bash "$0" s13b
   ;;
 s13d)  # eleventh session (issue 11): where the 16-column step's GPU time goes beside the tensor-core matvecs: ncu's
   # kernel durations of $S13D_STEPS serving-like steps (ncu failed on the tc kernels in s12b: they are left out by

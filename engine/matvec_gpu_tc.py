@@ -251,63 +251,24 @@ def _plan(T: int, nb: int, N: int, norm: bool) -> tuple[int, int, int, bool]:
     return (group, *tc_layout(T, nb, min(N, group), norm))
 
 
-def presplit_wanted(T: int, nb: int, N: int, norm: bool) -> bool:
-    """Whether x's pieces come from a kernel of their own (`tc_split_kernel`) instead of each warp splitting them in
-    registers: where the thread block does not split x into shared memory (8+ columns, the 8B ffn_down), a warp
-    splits 16 columns' x (~7 instructions a value and column) for only R tiles of 16 rows, as much work as decoding
-    them. MESH_GPU_TC_PRESPLIT=1 on. The same `_pieces`, so the same values: no bit changes."""
-    return os.environ.get("MESH_GPU_TC_PRESPLIT", "0") == "1" and not _plan(T, nb, N, norm)[3]
-
-
-LOG2E = 1.4426950408889634
-
-
-def glu_of(gate, up):
-    """silu(gate) * up, the expression engine/quant.py's GPU paths use (Tensors or UOps alike), so a split kernel that
-    computes it multiplies the same floats as the elementwise kernel it replaces."""
-    return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * up
-
-
-def tc_split_kernel(name: str, ggml_type: int, norm: bool, glu: bool = False):
-    """The kernel for custom_kernel(xp (3 N cols,) bf16, x (N, cols) f32, [norm weight (cols,) f32]): x (times the norm
-    weight) as its three pieces xp[piece, n, k'] with k' in the lanes' order (`_lane_order`), as the shared-memory
-    split lays them out, so a lane's 4 B values of both MMAs of a block are one 16-byte load. With `glu` x is
-    (N, 2 cols) [gate | up] and silu(gate) * up is split: the elementwise kernel before ffn_down folds into this one."""
-    def kernel(xp: UOp, x: UOp, *extra: UOp) -> UOp:
-        N, C = x.shape[0], x.shape[1] // (2 if glu else 1)
-        total = N * C
-        i = UOp.special(total // 32, "gidx0") * 32 + UOp.special(32, "lidx0")
-        n, k = i // C, i % C
-        v = glu_of(x[n, k], x[n, k + C]) if glu else x[n, k] * extra[0][k] if norm else x[n, k]
-        pcs = _pieces(v)
-        st = UOp.group(*[xp[p * total + n * C + _lane_order(ggml_type, k)].store(pcs[p]) for p in range(3)])
-        fu = "_norm" if norm else "_glu" if glu else ""
-        return st.sink(arg=KernelInfo(name=f"mvtc_split_{name}{fu}_{N}x{C}", opts_to_apply=()))
-    return kernel
-
-
-def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, residual: bool = False,
-                     presplit: bool = False):
+def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, residual: bool = False):
     """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
     x (N, cols) f32, magic_word(), [norm weight (cols,) f32], [residual (N, rows) f32]). With `norm` (eps) x is
     RMS-normalized by the weight (x * w split into pieces, the output times 1 / sqrt(mean(x^2) + eps), as the CUDA-core
-    kernel does); with `residual` it is added to the output. With `presplit` (only where `presplit_wanted`) x's
-    place holds `tc_split_kernel`'s output (x times the norm weight, split), the B values read from it instead of
-    split in registers; no norm weight then, and with a norm x itself comes last (its squares). Every buffer passed is read: tinygrad's graph passes a kernel all of its
-    buffers, used or not, and the driver refuses a node whose arguments outnumber the kernel's parameters."""
+    kernel does); with `residual` it is added to the output. Every buffer passed must be read: tinygrad's graph
+    passes a kernel all of its call's buffers, used or not, and the driver refuses a node whose arguments outnumber
+    the kernel's parameters (`cuGraphAddKernelNode`: CUDA Error 1)."""
     def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         T, nb, _, LW = words.shape
         N = out.shape[0]
         fused = norm is not None
-        norm_w = extra[0] if fused and not presplit else None  # presplit: the split kernel applied it
-        res = extra[int(norm_w is not None)] if residual else None
-        xp, x = (x, extra[-1] if fused else None) if presplit else (None, x)
+        norm_w = extra[0] if fused else None
+        res = extra[int(fused)] if residual else None
 
         def xin(n: UOp, k: UOp) -> UOp:
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
         group, S, R, shared = _plan(T, nb, N, fused)
         NG, NC = -(-N // group), min(N, group)
-        assert not (presplit and shared), "x is split into shared memory at this width"
         NT = -(-NC // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
         # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
@@ -356,9 +317,6 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             split = split.end(nr) if N > 1 else split
             xs = xs.after(split)
             bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
-                     for m in range(2)] for n in cols]
-        elif xp is not None:  # the pieces a kernel before this one split, in the same order as the shared path's
-            bvec = [[[[xp[p * N * C + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
                      for m in range(2)] for n in cols]
         else:
             bvec = [[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
@@ -424,8 +382,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        fu = ("_norm" if fused else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "") \
-            + ("_p" if xp is not None else "")
+        fu = ("_norm" if fused else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel
@@ -457,25 +414,15 @@ def _inv_rms(ssp: UOp, tid: UOp, tg: UOp, lanes: tuple, NC: int, nthr: int, C: i
 
 
 def tc_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, norm: tuple[Tensor, float] | None = None,
-                residual: Tensor | None = None, glu: bool = False) -> Tensor:
+                residual: Tensor | None = None) -> Tensor:
     """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout (`tc_repack`); `norm` (weight, eps) and
-    `residual` fused as in engine/quant.py's QuantWeight.matmul_t; with `glu` x is (N, 2 cols) [gate | up] and
-    silu(gate) * up is multiplied."""
+    `residual` fused as in engine/quant.py's QuantWeight.matmul_t."""
     from engine.matvec_gpu import magic_word
-    T, nb = words.shape[0], words.shape[1]
-    N, name = x.shape[0], Q(ggml_type).name.lower()
-    out = Tensor.empty(N, T * 16, dtype=F32, device=words.device)
-    pre = presplit_wanted(T, nb, N, norm is not None)
-    if glu and not pre:  # an elementwise kernel of its own; the split kernel computes it where there is one
-        C = x.shape[1] // 2
-        x = glu_of(x[:, :C].cast(F32), x[:, C:].cast(F32))
-    x = x.cast(F32).contiguous()
-    nw = [norm[0].cast(F32).contiguous()] if norm is not None else []
-    res = [residual.cast(F32).contiguous()] if residual is not None else []
-    xin, extra = x, nw + res
-    if pre:
-        xp = Tensor.empty(3 * N * nb * 32, dtype=BF16, device=words.device)
-        xin = Tensor.custom_kernel(xp, x, *nw, fxn=tc_split_kernel(name, ggml_type, norm is not None, glu))[0]
-        extra = res + ([x] if norm is not None else [])
-    kern = tc_matvec_kernel(name, ggml_type, None if norm is None else float(norm[1]), residual is not None, pre)
-    return Tensor.custom_kernel(out, words, scales, xin, magic_word(str(words.device)), *extra, fxn=kern)[0]
+    T = words.shape[0]
+    out = Tensor.empty(x.shape[0], T * 16, dtype=F32, device=words.device)
+    kern = tc_matvec_kernel(Q(ggml_type).name.lower(), ggml_type, None if norm is None else float(norm[1]),
+                            residual is not None)
+    extra = ([norm[0].cast(F32).contiguous()] if norm is not None else []) + \
+            ([residual.cast(F32).contiguous()] if residual is not None else [])
+    return Tensor.custom_kernel(out, words, scales, x.cast(F32).contiguous(), magic_word(str(words.device)), *extra,
+                                fxn=kern)[0]

@@ -330,7 +330,11 @@ class QuantWeight:
         eps) x is RMS-normalized first; with `glu` x is (N, 2 cols) [gate | up] and silu(gate) * up is used; with
         `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
         if self.layout == "tc":  # the tensor-core kernel: the norm and the residual fused, silu(gate) * up before it
-            return tc_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, residual=residual, glu=glu)
+            if glu:
+                C = x.shape[1] // 2
+                gate = x[:, :C].cast(F32)
+                x = gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[:, C:].cast(F32)
+            return tc_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, residual=residual)
         G = self.rest.shape[0]
         gpu = not str(self.rest.device).startswith("CPU")
         if not gpu:  # 512-bit vectors on an AVX-512 host, before any of the step's kernels is rendered

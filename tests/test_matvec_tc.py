@@ -111,26 +111,25 @@ def test_a_column_alone_and_in_any_batch_has_the_same_bits(qtype, rows, cols, no
         np.testing.assert_array_equal(_run(w, qtype, x[20 - n:], **kw), alone[20 - n:])
 
 
-@pytest.mark.parametrize("qtype,rows,cols,n,fused", [("Q4_0", 32, 128, 9, "norm"), ("Q8_0", 32, 128, 20, "res"),
-                                                      ("Q4_0", 16, 64, 16, ""), ("Q8_0", 16, 64, 8, "glu")])
-def test_x_split_by_a_kernel_of_its_own_gives_the_same_bits(monkeypatch, qtype, rows, cols, n, fused):
-    """At 8+ columns x's pieces may come from a kernel before the matvec (MESH_GPU_TC_PRESPLIT=1): the same
-    `_pieces` of the same values in the order the lanes read them, so every output has the bits of the warps' own
-    split in registers (with the fused norm, the residual, silu(gate) * up computed by the split kernel instead of
-    an elementwise kernel before, and two groups of columns on the grid)."""
-    from engine.matvec_gpu_tc import presplit_wanted
+@pytest.mark.parametrize("qtype,rows,cols,n,fused", [("Q4_0", 64, 128, 9, "norm"), ("Q8_0", 64, 128, 20, "res"),
+                                                      ("Q4_0", 64, 64, 16, "")])
+def test_the_warps_a_grid_keeps_change_no_bits(monkeypatch, qtype, rows, cols, n, fused):
+    """At 8+ columns a grid keeps fewer warps with more row tiles each (WIDE_WARPS: x's pieces, split in registers,
+    serve more tiles); the tiles a warp takes change no sum, so every output keeps its bits (with the fused norm,
+    the residual, and two groups of columns on the grid)."""
     raw = _any_quants(qtype, rows, cols)
     w = _weight(raw, qtype)
-    x = np.random.default_rng(6).standard_normal((n, cols * (2 if fused == "glu" else 1))).astype(np.float32)
+    x = np.random.default_rng(6).standard_normal((n, cols)).astype(np.float32)
     kw = {"norm": (Tensor(np.linspace(-1, 1, cols, dtype=np.float32), device=DEV), 1e-5)} if fused == "norm" else \
-        {"glu": True} if fused == "glu" else \
         {"residual": Tensor(np.arange(n * rows, dtype=np.float32).reshape(n, rows), device=DEV)} if fused else {}
-    monkeypatch.setenv("MESH_GPU_TC_PRESPLIT", "1")
-    assert presplit_wanted(rows // 16, cols // 32, n, fused == "norm")
-    got = _run(w, qtype, x, **kw)
-    monkeypatch.setenv("MESH_GPU_TC_PRESPLIT", "0")
-    assert not presplit_wanted(rows // 16, cols // 32, n, fused == "norm")
-    np.testing.assert_array_equal(got, _run(w, qtype, x, **kw))
+    got = {}
+    for warps in ("1", "4096"):  # the most tiles a warp that fit, and one tile a warp
+        monkeypatch.setenv("MESH_GPU_TC_WARPS", warps)
+        got[warps] = _run(w, qtype, x, **kw)
+    assert tc_layout(rows // 16, cols // 32, n, fused == "norm")[1] == 1  # one tile a warp under 4096 warps
+    monkeypatch.setenv("MESH_GPU_TC_WARPS", "1")
+    assert tc_layout(rows // 16, cols // 32, n, fused == "norm")[1] > 1
+    np.testing.assert_array_equal(got["1"], got["4096"])
 
 
 def test_the_order_of_sums_is_the_matrixs():
