@@ -89,8 +89,6 @@
 #                              (matvec_bench --tc-layouts $S13_LAYOUTS), serve_bench --ab-env $S13_SERVE_AB if set
 #   bench/h200_synth.sh s13d   a fresh machine: ncu kernel durations of the 16- and 1-column 1.1b-Q8_0 steps (tc), the
 #                              tc kernels left out by name, then the 16-column step's own time
-#   bench/h200_synth.sh s13e   a fresh machine: MESH_GPU_TC_PIECES=2 against 3 (decode_profile at 16 and 1 columns), the
-#                              tc tests on CUDA, serve_bench 1,16 --ab-env MESH_GPU_TC_PIECES=2 as time allows
 #   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
 #                              without $S13B_AB (default MESH_GPU_TC_WARPS=2048), then tests/test_matvec_tc.py on CUDA
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -107,7 +105,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s13e, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -806,30 +804,6 @@ s13b)  # eleventh session (issue 11): 16 streams against one with and without $S
   l=$(lim 150); [ "$l" -gt 40 ] && { echo "== tests/test_matvec_tc.py on CUDA (limit ${l}s)"
     DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
       2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
-  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
-  ;;
-s13e)  # twelfth session (issue 11): x in two bf16 pieces (MESH_GPU_TC_PIECES=2: its top 16 bits, a third fewer MMAs,
-  # a cheaper split in registers) against three (exact): the engine's step at 16 and 1 columns, the tc tests on CUDA,
-  # then serve_bench 1,16 rounds alternating, as time allows
-  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
-  F=1.1b-Q8_0
-  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
-  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  for args in "--batch 16 --spread 8" "--batch 1"; do
-    for p in 3 2; do
-      l=$(lim 80); [ "$l" -gt 30 ] || { echo "skip decode_profile $args pieces $p: no time"; continue; }
-      echo "== decode_profile $args MESH_GPU_TC_PIECES=$p (limit ${l}s)"
-      MESH_GPU_MV=tc MESH_GPU_TC_PIECES=$p DEV=CUDA timeout $l python3 bench/decode_profile.py --model $M/$F.gguf $args \
-        --steps 20 --pos 40 --ctx 512 2>&1 | grep -v Warning | grep "step\|load" | tee -a "$OUT/steps.txt"
-    done
-  done
-  l=$(lim 120); [ "$l" -gt 40 ] && { echo "== tests/test_matvec_tc.py on CUDA (limit ${l}s)"
-    DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
-      2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
-  l=$(lim 330); [ "$l" -gt 110 ] && { r=$([ "$l" -gt 250 ] && echo 2 || echo 1)
-    echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_PIECES=2 --rounds $r (limit ${l}s)"
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
-      --rounds $r --ab-env MESH_GPU_TC_PIECES=2 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s13d)  # eleventh session (issue 11): where the 16-column step's GPU time goes beside the tensor-core matvecs: ncu's

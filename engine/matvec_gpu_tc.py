@@ -176,20 +176,9 @@ SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
 
 
 def shared_split(n: int, cols: int, S: int, R: int, extra: int = 0) -> bool:
-    """Whether the x pieces of n columns fit shared memory beside the partials and `extra` bytes (`x_pieces()` bf16
-    a value): one column of up to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
-    return n < 8 and 2 * x_pieces() * n * cols + S * 16 * R * 8 * 4 + extra <= SHARED_BYTES
-
-
-def x_pieces() -> int:
-    """The bf16 pieces x is split into: 3 hold it exactly (the default); MESH_GPU_TC_PIECES=2 keeps its top 16
-    significant bits (truncated: a relative error below 2^-15 a value) for a third fewer MMAs and a cheaper split
-    where the warps split x in registers (8+ columns). A stage's setting, like the layout: every width of a stage
-    runs with the same pieces, so a column's bits still do not depend on its batch."""
-    p = int(os.environ.get("MESH_GPU_TC_PIECES", "3"))
-    if p not in (2, 3):
-        raise ValueError(f"MESH_GPU_TC_PIECES={p}: x is split into 2 or 3 bf16 pieces")
-    return p
+    """Whether the x pieces of n columns fit shared memory beside the partials and `extra` bytes (3 bf16 a value):
+    one column of up to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
+    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 + extra <= SHARED_BYTES
 
 
 def _bf(word: UOp, high: bool) -> UOp:
@@ -243,15 +232,12 @@ def _decode(ggml_type: int, words: list[UOp], magic: UOp) -> list[list[list[UOp]
     return out
 
 
-def _pieces(v: UOp, n: int = 3) -> list[UOp]:
+def _pieces(v: UOp) -> list[UOp]:
     """x (f32) as three bf16 pieces lo, mid, hi with hi + mid + lo = x exactly: each the top 8 significant bits of
-    what is left (a mask), the rest an exact f32 subtraction; the last rest has at most 8 bits. With n = 2, mid and
-    hi: x's top 16 bits."""
+    what is left (a mask), the rest an exact f32 subtraction; the last rest has at most 8 bits."""
     hi = v.bitcast(U32) & 0xFFFF0000
     r = v - hi.bitcast(F32)
     mid = r.bitcast(U32) & 0xFFFF0000
-    if n == 2:
-        return [_bf(mid, True), _bf(hi, True)]
     lo = (r - mid.bitcast(F32)).bitcast(U32)
     return [_bf(lo, True), _bf(mid, True), _bf(hi, True)]
 
@@ -282,7 +268,6 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         def xin(n: UOp, k: UOp) -> UOp:
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
         group, S, R, shared = _plan(T, nb, N, fused)
-        P = x_pieces()
         NG, NC = -(-N // group), min(N, group)
         NT = -(-NC // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
@@ -311,15 +296,15 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             # contiguous), instead of every column group of every warp splitting the same x in registers. The same
             # `_pieces`, so the same bf16 values as the register split: a column's bits do not depend on the path
             nthr, total = 32 * S, N * C  # shared: one group (N < 8)
-            xs = UOp.placeholder((P * total,), BF16, 101, addrspace=AddrSpace.LOCAL)
+            xs = UOp.placeholder((3 * total,), BF16, 101, addrspace=AddrSpace.LOCAL)
             # thread q takes x[n, q], x[n, q + 32 S], ... of each column n: with a fused norm it sums their squares
             # on the way, in the order (and with the expression) of the register path's own loop (`squares`)
             nr = UOp.range(N, 7) if N > 1 else UOp.const(0, tid.dtype)
             kq = UOp.range(C // nthr, 11, AxisType.REDUCE)
             k = kq * nthr + tid
             xr = x[nr, k]
-            pcs = _pieces(xr * norm_w[k] if norm_w is not None else xr, P)
-            body = [xs[p * total + nr * C + _lane_order(ggml_type, k)].store(pcs[p]) for p in range(P)]
+            pcs = _pieces(xr * norm_w[k] if norm_w is not None else xr)
+            body = [xs[p * total + nr * C + _lane_order(ggml_type, k)].store(pcs[p]) for p in range(3)]
             if norm_w is not None:
                 sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
                 sacc = sacc.after(tg, *((nr,) if N > 1 else ()))[0].set(0.0)
@@ -331,10 +316,10 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                 ssp = ssp.after(split.end(nr) if N > 1 else split)
             split = split.end(nr) if N > 1 else split
             xs = xs.after(split)
-            bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(P)] for j in range(4)]
+            bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
                      for m in range(2)] for n in cols]
         else:
-            bvec = [[[_pieces(xin(n, b * 32 + k), P) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
+            bvec = [[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
         accs = []
         for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
             a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
@@ -350,7 +335,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             for nt in range(NT):
                 acc = accs[r * NT + nt]
                 part = UOp.const((0.0,) * 4, F32)
-                for p in range(P):  # lo, mid, hi: the smallest first
+                for p in range(3):  # lo, mid, hi: the smallest first
                     for m in range(2):
                         bv = UOp.stack(*[bvec[nt][m][j][p] for j in range(4)])
                         part = UOp.wmma(avec[m], bv, part, (8, 16, 16), "CUDA", 32)
@@ -398,7 +383,6 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
         fu = ("_norm" if fused else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
-        fu += "" if P == 3 else f"_x{P}"
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel

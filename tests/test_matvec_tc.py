@@ -132,26 +132,6 @@ def test_the_warps_a_grid_keeps_change_no_bits(monkeypatch, qtype, rows, cols, n
     np.testing.assert_array_equal(got["1"], got["4096"])
 
 
-@pytest.mark.parametrize("qtype,rows,cols,n", [("Q8_0", 32, 256, 1), ("Q4_0", 48, 128, 3), ("Q8_0", 64, 128, 16)])
-def test_x_in_two_pieces_keeps_16_bits(monkeypatch, qtype, rows, cols, n):
-    """MESH_GPU_TC_PIECES=2: x's top 16 significant bits (truncated), split in shared memory (under 8 columns) or in
-    registers: each output within 2^-15 of sum |w x| of float64's, and a column's bits the same alone and in the
-    batch."""
-    monkeypatch.setenv("MESH_GPU_TC_PIECES", "2")
-    raw = _any_quants(qtype, rows, cols)
-    w = _weight(raw, qtype)
-    x = np.random.default_rng(8).standard_normal((n, cols)).astype(np.float32)
-    wf = dequantize(raw, Q[qtype]).reshape(rows, cols).astype(np.float64)
-    want, mag = x.astype(np.float64) @ wf.T, np.abs(x.astype(np.float64)) @ np.abs(wf).T
-    got = _run(w, qtype, x)
-    assert np.all(np.abs(got - want) <= mag * 2.0 ** -15 + 1e-6 * np.abs(want).max())
-    assert np.abs(got - want).max() > 1e-6 * np.abs(want).max()  # not the three pieces' exact x
-    np.testing.assert_array_equal(_run(w, qtype, x[n - 1:]), got[n - 1:])
-    monkeypatch.setenv("MESH_GPU_TC_PIECES", "4")
-    with pytest.raises(ValueError, match="MESH_GPU_TC_PIECES=4"):
-        _run(w, qtype, x)
-
-
 def test_the_order_of_sums_is_the_matrixs():
     """S (warps over a row's blocks: the order of the sums) comes from the matrix alone; R (tiles a warp) shrinks
     with the columns and the warps a grid needs, and changes no sum."""
