@@ -130,8 +130,8 @@ def main() -> None:
                 print(line, flush=True)
                 rows_out.append(line)
             for tcl in (a.tc_layouts.split(",") if a.tc_layouts else [""]) if tcw else []:
-                if tcl:  # SPLIT:WARPS
-                    os.environ["MESH_GPU_TC_SPLIT"], os.environ["MESH_GPU_TC_WARPS"] = tcl.split(":")[:2]
+                if tcl:
+                    os.environ["MESH_GPU_TC_SPLIT"], os.environ["MESH_GPU_TC_WARPS"] = tcl.split(":")
                 line = _time_tc(tcw, Q[qt], x, want, a.reps, copies, dev, f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} "
                                 f"{nbytes / 1e6:8.1f} MB  tc{tcl:<8s} ", nbytes, a.n, first_us, first_err)
                 print(line, flush=True)
