@@ -242,15 +242,6 @@ def _pieces(v: UOp) -> list[UOp]:
     return [_bf(lo, True), _bf(mid, True), _bf(hi, True)]
 
 
-def _plan(T: int, nb: int, N: int, norm: bool) -> tuple[int, int, int, bool]:
-    """(group, S, R, shared) of an N-column product: column groups of at most GROUP columns, a grid dimension (a
-    prefill chunk: more columns than registers for their pieces and accumulators; fewer than GROUP when their partials
-    and a norm's sums do not fit shared memory: the 8B ffn_down's 16 warps); a column's operations do not depend on its
-    group."""
-    group = next(gc for gc in (GROUP, 8, 4, 2, 1) if tc_layout(T, nb, min(N, gc), norm) is not None)
-    return (group, *tc_layout(T, nb, min(N, group), norm))
-
-
 def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, residual: bool = False):
     """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
     x (N, cols) f32, magic_word(), [norm weight (cols,) f32], [residual (N, rows) f32]). With `norm` (eps) x is
@@ -260,15 +251,18 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
     the kernel's parameters (`cuGraphAddKernelNode`: CUDA Error 1)."""
     def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
         T, nb, _, LW = words.shape
-        N = out.shape[0]
-        fused = norm is not None
-        norm_w = extra[0] if fused else None
-        res = extra[int(fused)] if residual else None
+        N = x.shape[0]
+        norm_w = extra[0] if norm is not None else None
+        res = extra[-1] if residual else None
 
         def xin(n: UOp, k: UOp) -> UOp:
             return x[n, k] * norm_w[k] if norm_w is not None else x[n, k]
-        group, S, R, shared = _plan(T, nb, N, fused)
+        # column groups of at most GROUP columns, a grid dimension (a prefill chunk: more columns than registers
+        # for their pieces and accumulators); a column's operations do not depend on its group
+        # (fewer than GROUP when their partials and a norm's sums do not fit shared memory: the 8B ffn_down's 16 warps)
+        group = next(gc for gc in (GROUP, 8, 4, 2, 1) if tc_layout(T, nb, min(N, gc), norm_w is not None) is not None)
         NG, NC = -(-N // group), min(N, group)
+        S, R, shared = tc_layout(T, nb, NC, norm_w is not None)
         NT = -(-NC // 8)
         # threadIdx.x = 32 s + lane, lane (g, c) = 4 g + c. Thread indices, not ranges: tinygrad merges and splits
         # ranges indexed together (c and g in 4 g + c) and may hand them to the thread dimensions in another order,
@@ -354,7 +348,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                     parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
         parts = UOp.group(*parts)
         nthr = 32 * S
-        if fused and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
+        if norm_w is not None and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
             nr = UOp.range(NC, 8)
             kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
             sacc = UOp.placeholder((1,), F32, 61, addrspace=AddrSpace.REG)
@@ -376,13 +370,13 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
         y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + lcol], end=si)[0]
-        if fused:
+        if norm_w is not None:
             y = y * _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]
         if res is not None:
             y = y + res[col, tg * RR + row]
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
-        fu = ("_norm" if fused else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
+        fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
                                                       opts_to_apply=()))
     return kernel
