@@ -475,6 +475,81 @@ async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch, spin
             assert isinstance(await b.wait_failed(), link_mod.LinkClosed)
 
 
+class _HoldingStream(trio.abc.Stream):
+    """A TCP stream whose receive_some, once armed, keeps what it read until released: what trio's own receive_some
+    does for a pass of the scheduler after a read that succeeds at once."""
+
+    def __init__(self, inner: trio.SocketStream) -> None:
+        self.transport_stream = inner
+        self.armed, self.holding, self.release = False, trio.Event(), trio.Event()
+
+    async def send_all(self, data) -> None:
+        await self.transport_stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        data = await self.transport_stream.receive_some(max_bytes)
+        if self.armed:
+            self.holding.set()
+            await self.release.wait()
+        return data
+
+    async def aclose(self) -> None:
+        await self.transport_stream.aclose()
+
+
+async def test_the_reader_never_holds_bytes_while_a_pump_reads_later_ones(monkeypatch):
+    """The coordinator's sink is read by its reader task and pumped by the decode loop. The reader must not hold
+    bytes it read across a pass of the scheduler (trio's receive_some does, after a read that succeeds at once):
+    the pump would read the next frame and open it first, out of order, and the sealed link would fail
+    (AUTH_FAILED, seen in CI). A TCP link's reader reads the socket itself: every frame arrives, in order."""
+    monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
+    a_sock, b_sock = trio.socket.socketpair()
+    held = _HoldingStream(trio.SocketStream(b_sock))
+    got_in, got_out = trio.open_memory_channel(16)
+    async with trio.open_nursery() as nursery:
+        links = trio.open_memory_channel(1)
+
+        async def server() -> None:
+            async with open_link(held, token=TOKEN, role="server") as link:
+                await links[0].send(link)
+                await trio.sleep_forever()
+        nursery.start_soon(server)
+        async with open_link(trio.SocketStream(a_sock), token=TOKEN, role="client") as a:
+            b = await links[1].receive()
+            b.take = lambda ev: (got_in.send_nowait(ev), True)[1]
+            with trio.fail_after(20):
+                await a.send(p.Ack(p.MsgType.LOAD, 0))
+                assert await got_out.receive() == p.Ack(p.MsgType.LOAD, 0)    # taken: the link is hot
+                held.armed = True
+                await trio.testing.wait_all_tasks_blocked()
+                assert a.send_nowait(p.Ack(p.MsgType.LOAD, 1))
+                await trio.testing.wait_all_tasks_blocked()     # read by b's reader (held there, if it may be)
+                assert a.send_nowait(p.Ack(p.MsgType.LOAD, 2))  # no checkpoint: the pump finds nothing runnable
+                pumped = await b.pump()
+                held.release.set()
+                await trio.testing.wait_all_tasks_blocked()
+            assert b._failure is None, b._failure
+            assert [got_out.receive_nowait(), got_out.receive_nowait()] == [p.Ack(p.MsgType.LOAD, 1),
+                                                                            p.Ack(p.MsgType.LOAD, 2)]
+            assert not held.holding.is_set() and pumped     # the reader read the socket itself; the pump, frame 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_bytes_a_listener_peeked_at_are_read_before_the_socket_itself():
+    """A listener's PrefixStream returns the bytes it peeked at first: until they are gone the link reads through
+    the stream (receive_some), then from the socket itself."""
+    from transport.prefix import PrefixStream
+    a, b = trio.socket.socketpair()
+    with a, b:
+        stream = PrefixStream(trio.SocketStream(b), b"MESH")
+        assert link_mod._read_fd(stream) is None
+        assert await stream.receive_some(16) == b"MESH"
+        assert link_mod._read_fd(stream) == b.fileno()
+
+
 async def test_the_hot_wait_watches_every_socket_trios_loop_waits_on():
     """`_trio_waits` reads trio's epoll waiters (trio internals: this fails when a trio upgrade changes them, and
     the hot wait would fall back to watching the hot links alone): a task waiting to read a socket is in it, and

@@ -23,6 +23,11 @@ class PrefixStream(trio.abc.HalfCloseableStream):
         self._receiving = False
         self._closed = False
 
+    @property
+    def prefix_left(self) -> int:
+        """Bytes of the prefix not yet returned (a reader of the inner socket itself must wait for 0)."""
+        return len(self._prefix)
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self.transport_stream.send_all(data)
 
