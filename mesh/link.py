@@ -443,8 +443,8 @@ class Link:
         wake-up through trio's loop and the scheduler pass to the consumer. True: bytes were read and handled
         (look again for the event); False: nothing read (the link is not hot now: no `take` for HOT_WINDOW, not a
         TCP stream, something else of the thread is due, it failed): wait the usual way. The reader task stays
-        parked in trio's receive meanwhile and finds nothing to read, or reads what came later; a failure or EOF
-        found here is recorded as the reader would."""
+        parked in its socket wait (`_receive`) meanwhile and finds nothing to read, or reads what came later; a
+        failure or EOF found here is recorded as the reader would."""
         if self._failure is not None:
             return False
         data = await self._hot_receive(pumped=True)

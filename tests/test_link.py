@@ -434,7 +434,7 @@ def test_the_spin_setting_is_microseconds_and_a_bad_one_is_named():
 @pytest.mark.parametrize("spin", [0.0, 0.002])
 async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch, spin):
     """`Link.pump`: a consumer fed by `take` (the coordinator's sink) reads the link's next bytes in its own task
-    by the hot wait while the reader task stays parked in trio's receive: events arrive in order and whole (what
+    by the hot wait while the reader task stays parked in its socket wait: events arrive in order and whole (what
     the reader took meanwhile too), nothing is pumped before the link is hot (no `take` yet), and an ended link is
     reported as the reader would (the pump says False, wait_failed names it). With and without `SPIN`."""
     monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
