@@ -419,9 +419,9 @@ class Link:
         fd = _read_fd(self.stream)
         if fd is None:
             return await self.stream.receive_some(RECEIVE_SIZE)
-        while True:
-            if fd < 0:
-                raise trio.ClosedResourceError("the socket was closed")
+        if fd < 0:
+            raise trio.ClosedResourceError("the socket was closed")
+        while True:     # a close while waiting wakes the wait with ClosedResourceError (trio's notify_closing)
             await trio.lowlevel.wait_readable(fd)
             try:
                 return os.read(fd, RECEIVE_SIZE)
