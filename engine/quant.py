@@ -37,7 +37,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo
 
 from .cpu_runner import core_index, cpu_threads
 
-from engine import quant_gemm
+from engine import quant_gemm, quant_i8
 from engine.matvec_gpu import gpu_matvec_kernel, magic_word
 from engine.matvec_gpu_tc import tc_matmul_t, tc_unpack
 
@@ -341,6 +341,9 @@ class QuantWeight:
             quant_gemm.wide_vectors(str(self.rest.device))
         threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
         fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
+        if quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device)):  # x in 8 bits, integer dots
+            return quant_i8.matmul_t(self.rest, self.halfs, self.ggml_type, self.shape[0], x, norm=norm, glu=glu,
+                                     residual=residual)
         if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once
             return quant_gemm.gemm_t(self.rest, self.halfs, SPECS[self.ggml_type], Q(self.ggml_type).name.lower(),
                                      self.shape[0], threads, x, norm=norm, glu=glu, residual=residual)

@@ -38,6 +38,7 @@ their per-column matvec kernels), and one column (decode) takes the matvec.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import TYPE_CHECKING
@@ -70,14 +71,19 @@ def default_tile() -> int:
 
 def _avx512() -> bool:
     """Whether this is an x86 CPU with AVX-512 (its /proc/cpuinfo flags; False where there is none)."""
+    return "avx512f" in _cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags from /proc/cpuinfo (empty on other machines and systems)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        flags = []
-    return "avx512f" in flags
+        return frozenset()
 
 
 _WIDE: set[str] = set()

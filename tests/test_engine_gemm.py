@@ -15,6 +15,13 @@ from tests.test_engine_quant import TYPES, blocks_of
 from tests.tiny_gguf import write_tiny_gguf
 
 
+@pytest.fixture(autouse=True)
+def _f32_activations(monkeypatch):
+    """These tests are about the f32-activation kernels: keep Q4_0/Q4_1/Q8_0 off the 8-bit path (engine/quant_i8.py,
+    the default on AVX-512 VNNI hosts; tests/test_engine_i8.py tests it)."""
+    monkeypatch.setenv("MESH_CPU_INT8", "0")
+
+
 def weight(qtype: str, rows: int, cols: int) -> tuple[QuantWeight, np.ndarray]:
     raw = blocks_of(qtype, rows, cols)
     rest, halfs = repack(raw, Q[qtype], interleave_for(rows))

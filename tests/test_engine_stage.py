@@ -136,7 +136,8 @@ def test_stage_attributes(models):
     assert out.dtype == np.int32 and out.shape == (1,)
 
 
-def test_batched_decode_across_slots(models):
+def test_batched_decode_across_slots(models, monkeypatch):
+    monkeypatch.setenv("MESH_CPU_INT8", "0")  # the reference is a model of f32 activations (engine/quant_i8.py)
     (s,) = load_split(models["qwen2"], [])
     prompts = {0: [5, 6, 7], 2: [9, 8, 7, 6, 5], 3: [1]}
     single = {}
@@ -283,9 +284,10 @@ def test_prompts_of_any_length_run_in_the_warmed_shapes(models):
     assert set(s._jits) == shapes
 
 
-def test_chunked_prefill_agrees_with_the_reference_and_every_stage_keeps_the_kv(models):
+def test_chunked_prefill_agrees_with_the_reference_and_every_stage_keeps_the_kv(models, monkeypatch):
     """A prompt sent in pieces, only the last asking for logits (the coordinator's chunks): the last stage must
     write the KV of a piece without logits too, and a piece's chunks attend to the chunks before them."""
+    monkeypatch.setenv("MESH_CPU_INT8", "0")  # the reference is a model of f32 activations (engine/quant_i8.py)
     tokens = [(11 * i + 3) % 256 for i in range(60)]
     want = reference_logits(models["qwen3"], tokens)[20:]
     split = load_split(models["qwen3"], [2])

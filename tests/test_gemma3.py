@@ -17,6 +17,15 @@ from tests.tiny_gguf import write_tiny_gguf
 N_LAYERS, DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW = 7, 64, 4, 2, 32, 128, 256, 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _f32_activations():
+    """The numpy forward pass below is a model of f32 activations: keep the CPU's 8-bit-activation path
+    (engine/quant_i8.py, tests/test_engine_i8.py) off for this module's stages (shared across its tests)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESH_CPU_INT8", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     # layers 0-4 and 6 local, 5 global; head_dim 32 != dim / heads, as Gemma's 256 != 640 / 4
