@@ -53,9 +53,13 @@ def test_splits_match_unsharded_bitwise(path, tok):
 
 
 def test_chat_answer_is_coherent(path, tok):
+    # a question this 135M model answers alike on every path: llama.cpp (CPU, 8-bit activations), the engine on
+    # f32 and on 8-bit activations ("The primary colors are: ... Red ... Blue ... Yellow"). It answers "What is the
+    # capital of France?" with "Paris" on f32 activations only: llama.cpp and the 8-bit path both say "L'Etoile, la
+    # Marseillaise, ..." (bench/RESULTS.md "Thirteenth session: 8-bit activations on the CPU")
     stage = Stage.load(path, 0, 30, n_slots=1, max_context=CTX)
-    prompt = tok.encode(render_prompt(tok, "What is the capital of France?"))
+    prompt = tok.encode(render_prompt(tok, "Name three primary colors."))
     tokens, _ = decode_logits([stage], prompt, 24)
     stop = next((i for i, t in enumerate(tokens) if t in tok.eos_ids), len(tokens))
     text = tok.decode(tokens[:stop])
-    assert "Paris" in text, text
+    assert all(c in text for c in ("Red", "Blue", "Yellow")), text
