@@ -132,7 +132,9 @@ def test_every_stream_survives_a_peer_lost_mid_answer(model, monkeypatch, fault)
             return len(srv.service.session.members)
         assert srv.run(serving, 1) == 2
         undisturbed = finish(*all_streams(srv))
-        assert all(used >= 20 for _, _, used in undisturbed), undisturbed    # each is still going at the fault
+        # each is still going at the fault (placed once all have sent 3 tokens): well past it, whatever the numerics
+        # (on 8-bit activations, engine/quant_i8.py, the seeded story stops after 16 tokens)
+        assert all(used >= 8 for _, _, used in undisturbed), [(f, u) for _, f, u in undisturbed]
 
         srv.call(gate.__setitem__, "armed", True)
         running = all_streams(srv)

@@ -16,7 +16,7 @@ from tests.mesh_fixtures import free_port, mesh_cmd, processes, unsharded_tokens
 
 pytestmark = pytest.mark.slow
 KEY = "sk-smollm2-serve-test-0123456789"
-QUESTION = "What is the capital of France?"
+QUESTION = "Name three primary colors."  # answered alike by llama.cpp and every engine path (test_engine_smollm2)
 MAX_TOKENS = 24
 
 
@@ -58,4 +58,4 @@ def test_smollm2_over_two_peers_answers_like_one_machine():
                 temperature=0, stream=True) if ch.choices)
     assert model_id == "SmolLM2-135M-Instruct.Q4_1"
     assert answer.choices[0].message.content == expected == streamed
-    assert "Paris" in expected
+    assert all(c in expected for c in ("Red", "Blue", "Yellow")), expected
