@@ -61,10 +61,17 @@ def vnni() -> bool:
 
 def wanted(ggml_type: int, il: int, device: str) -> bool:
     """Whether a weight of `ggml_type` interleaved by `il` takes this path on `device` (see the module's docstring)."""
-    if not device.startswith("CPU") or ggml_type not in KINDS or il != IL:
+    if not device.startswith("CPU") or ggml_type not in KINDS or il != IL or not _clang(device):
         return False
     env = os.environ.get("MESH_CPU_INT8")
     return env == "1" if env in ("0", "1") else vnni()
+
+
+def _clang(device: str) -> bool:
+    """Whether `device` renders C for clang (the kernels here are C text): not the LLVM IR or X86 renderers that a
+    DEV such as CPU:LLVM or CPU:X86 picks (where they take the f32 path)."""
+    from tinygrad import Device
+    return type(Device[device].renderer).__name__ == "ClangRenderer"
 
 
 def _fast() -> bool:  # the VNNI code, unless MESH_CPU_INT8_GENERIC=1 asks for the portable loops (tests, A/B)
