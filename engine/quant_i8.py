@@ -6,22 +6,27 @@ that is the bound: an 8-column SmolLM2 step cost ~2.35 one-column steps, almost 
 GEMM"). llama.cpp's CPU path does what this module does: x is quantized to int8 per block of 32 values (Q8_0 /
 Q8_1's scheme) and a block's products are integers, 64 of them per `vpdpbusd` (4 bytes x 16 lanes), four times the
 products of an FMA. A standalone C loop of this kernel on this box's Xeon (1536x576 Q4_1, one core): 8 columns 272 ->
-57 us, one column 81 -> 34 us (bench/RESULTS.md "Twelfth session: 8-bit activations").
+57 us, one column 81 -> 34 us (bench/RESULTS.md "Thirteenth session: 8-bit activations on the CPU").
 
 Numerics (the lead's decision, thirteenth session): x of a block of 32 values becomes q = rint(x / d), d = amax / 127
 (llama.cpp's quantize_row_q8_0/q8_1: the same d, the inverse multiplied, ties to even as its SIMD quantizers do;
-d is kept in f32, where llama.cpp rounds it to f16). A row's result is, per block in order from 0,
-    acc = acc + float(isum) * (d_w * d_x)            isum = sum of q_w * q_x over the block, exact in int32
-    acc = acc + m_w * (d_x * float(sum q_x))         Q4_1 only (its offset m times the block's x)
-with Q4_0's -8 and Q8_0's unsigned bias folded into isum as integers (isum - 8 sum q_x). Every integer is exact, so
-the order inside a block is free; the float steps are one fixed chain per row and column. A column's result never
-depends on its step's other columns (the same kernel for 1 column and for 256): batch invariance holds. Against f32
-activations the results move by the int8 rounding of x (relative ~1e-3 of a row's sum), as llama.cpp's do.
+d is kept in f32, where llama.cpp rounds it to f16). A weight block is one or more units of 32 values, each meeting
+one block of x; a row's result is, per unit in order from 0,
+    acc = acc + float(isum) * (scale * d_x)          isum = sum of q_w * q_x over the unit, exact in int32
+    acc = acc + offset * (d_x * float(sum q_x))      where the type has an offset (Q4_1, Q5_1: m; Q4_K: -dmin * m)
+with scale the unit's float scale (d; Q4_K d * its 6-bit sub-scale) and Q4_0's -8, Q5_0's -16 and Q8_0's unsigned
+bias folded into isum as integers (isum - 8 sum q_x). Every integer is exact, so the order inside a unit is free;
+the float steps are one fixed chain per row and column. A column's result never depends on its step's other
+columns (the same kernel for 1 column and for 256): batch invariance holds. Against f32 activations the results
+move by the int8 rounding of x (relative ~1e-3 of a row's sum), as llama.cpp's do (bench/fidelity.py: SmolLM2's
+greedy tokens agree with llama.cpp's more often than the f32 path's did).
 
-Which weights (`wanted`): Q4_0, Q4_1 and Q8_0 blocks in rows of 16 (SmolLM2's types), on a CPU with AVX-512 VNNI.
-Other types keep the f32 path. Elsewhere (AVX2, NEON) the f32 path stays the default: a portable integer loop
-(`generic`, the same bits: every sum is an integer) ran 2x slower than the f32 FMAs in clang's code there;
-MESH_CPU_INT8=1 forces this path on (the tests do, to check that the portable code gives the VNNI code's bits),
+Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K blocks in rows of 16 (SmolLM2's types, most of a
+Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q6_K and the other K-quants keep the
+f32 path (not written yet: Q6_K's 16-value sub-blocks need sums of x per half unit). Elsewhere (AVX2, NEON) the f32
+path stays the default: a portable integer loop (the same bits: every sum is an integer) ran 2x slower than the
+f32 FMAs in clang's code there. MESH_CPU_INT8=1 forces this path on anywhere (the tests do, to check that the
+portable code gives the VNNI code's bits; MESH_CPU_INT8_GENERIC=1 picks the portable code on a VNNI host),
 MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs). A stage's numerics follow its host's instructions: a fleet of an
 AVX-512 VNNI box and a NEON Mac is not bitwise one machine (it never was across CPU and GPU).
 
@@ -47,8 +52,11 @@ from .quant_gemm import MAX_COLUMNS, _cpu_flags, slices
 
 F32 = dtypes.float32
 BLOCK = 32  # values of x per scale: every type here has blocks of 32
-# per type: rest bytes a row's block holds, float16 fields, the integer subtracted per unit of sum(q_x)
-KINDS = {Q.Q4_0: ("q4_0", 16, 1, 8), Q.Q4_1: ("q4_1", 16, 2, 0), Q.Q8_0: ("q8_0", 32, 1, 0)}
+# per type: its name, rest bytes a row's block holds, float16 fields, units of 32 values a block
+KINDS = {Q.Q4_0: ("q4_0", 16, 1, 1), Q.Q4_1: ("q4_1", 16, 2, 1), Q.Q8_0: ("q8_0", 32, 1, 1),
+         Q.Q5_0: ("q5_0", 20, 1, 1), Q.Q5_1: ("q5_1", 20, 2, 1),
+         Q.Q4_K: ("q4_k", 140, 2, 8)}
+KINDS_BY_NAME = {v[0]: v for v in KINDS.values()}
 IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
 
 
@@ -137,56 +145,139 @@ def _transpose(k: int) -> str:
     return ", ".join(str(p * 16 + lane) for lane in range(16) for p in range(k))
 
 
-def _dot_code(kind: str, rb: int, fast: bool) -> tuple[str, str]:
-    """(decode of one block of 16 rows from `r`, the block's integer sums `s` for one column's quants `q`)."""
-    if fast:
-        words = rb // 4  # 64-byte loads a block: 4 byte planes each
-        if kind == "q8_0":  # signed bytes -> unsigned (+128), taken off again as 128 sum(q_x) below
-            dec = "".join(f"""
-      {{ v64u v; __builtin_memcpy(&v, r + {c * 64}, 64); v = __builtin_shufflevector(v, v, {_transpose(4)});
-        w[{c}] = (v16i)(v ^ (unsigned char)0x80); }}""" for c in range(words))
-            pairs = [(c, 4 * c) for c in range(words)]
-        else:  # low nibbles are values 0..15, high nibbles 16..31
-            dec = "".join(f"""
-      {{ v64u v; __builtin_memcpy(&v, r + {c * 64}, 64); v = __builtin_shufflevector(v, v, {_transpose(4)});
-        w[{c}] = (v16i)(v & (unsigned char)15); w[{c + words}] = (v16i)((v >> 4) & (unsigned char)15); }}"""
-                for c in range(words))
-            pairs = [(c, 4 * c) for c in range(words)] + [(c + words, 16 + 4 * c) for c in range(words)]
-        dec = f"v16i w[{len(pairs)}];" + dec
-        # four independent chains (integer sums: any order is exact), one 32-bit broadcast of 4 quants each
-        dot = "v16i s4[4] = {};" + "".join(
-            f"""
-        {{ int xw; __builtin_memcpy(&xw, q + {off}, 4);
-          s4[{i % 4}] = __builtin_ia32_vpdpbusd512(s4[{i % 4}], w[{wi}], (v16i){{}} + xw); }}"""
-            for i, (wi, off) in enumerate(pairs)) + "\n        v16i s = (s4[0] + s4[1]) + (s4[2] + s4[3]);"
-        bias = 128 if kind == "q8_0" else (8 if kind == "q4_0" else 0)
-    else:  # portable: every value as an int, then plain loops (the same integers)
-        if kind == "q8_0":
-            dec = f"""int wv[32][16];
-      for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) wv[j][l] = (signed char)r[j * 16 + l];"""
+def _load(dst: str, off: int, op: str) -> str:
+    """Bytes off .. off + 63 of the block (4 byte planes of 16 rows), transposed to 16 lanes of 4 bytes, into v16i
+    `dst` through `op` (a C expression of the bytes `v`)."""
+    return (f"{{ v64u v; __builtin_memcpy(&v, r + {off}, 64); v = __builtin_shufflevector(v, v, {_transpose(4)});"
+            f" {dst} = (v16i)({op}); }}")
+
+
+def _dots(pairs: list[tuple[str, str]], out: str) -> str:
+    """`out` = the integer sums of a 32-value unit for one column: vpdpbusd of each (weights vector, pointer to its 4
+    quants of x), in four independent chains (integer sums: any order is exact)."""
+    lines = [f"v16i {out}4[4] = {{}};"]
+    for i, (w, q) in enumerate(pairs):
+        lines.append(f"{{ int xw; __builtin_memcpy(&xw, {q}, 4); "
+                     f"{out}4[{i % 4}] = __builtin_ia32_vpdpbusd512({out}4[{i % 4}], {w}, (v16i){{}} + xw); }}")
+    lines.append(f"v16i {out} = ({out}4[0] + {out}4[1]) + ({out}4[2] + {out}4[3]);")
+    return "\n        ".join(lines)
+
+
+def _generic_dot(values: str, q: str, out: str) -> str:
+    """`out` = the integer sums of a unit for one column, plain loops over values[32][16] (ints) and q (int8)."""
+    return (f"v16i {out} = {{}}; for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) "
+            f"{out}[l] += {values}[j][l] * (int)({q})[j];")
+
+
+def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) -> str:
+    """One unit's float steps, in this order for every kind and both codes (the same bits)."""
+    code = f"{acc} = {acc} + __builtin_convertvector({s}, v16f) * ({scale} * {dx});"
+    if offset is not None:
+        code += f" {acc} = {acc} + {offset} * ({dx} * (float){xs});"
+    return code
+
+
+def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
+    """The C for one block of 16 rows (`r` its bytes, `h` its float16 fields) into acc[n] of every column n, each
+    32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
+    col = f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  const int* xs = @6 + n * {NBX};"
+    if kind == "q4_k":  # 8 units: chunk c of 32 bytes (after 12 of scales) holds unit 2c (low nibbles), 2c + 1 (high)
+        head = """v16f d, dmin, dsc[8], dm[8];
+      for (int l = 0; l < 16; l++) { d[l] = (float)h[l]; dmin[l] = (float)h[16 + l]; }
+      for (int l = 0; l < 16; l++) for (int k = 0; k < 8; k++) {   /* 6-bit scales and mins, as ggml packs them */
+        const int sc = k < 4 ? r[k * 16 + l] & 63 : (r[(k + 4) * 16 + l] & 15) | ((r[(k - 4) * 16 + l] >> 6) << 4);
+        const int mn = k < 4 ? r[(k + 4) * 16 + l] & 63 : (r[(k + 4) * 16 + l] >> 4) | ((r[k * 16 + l] >> 6) << 4);
+        dsc[k][l] = (float)sc; dm[k][l] = (float)mn; }
+      for (int k = 0; k < 8; k++) { dsc[k] = d * dsc[k]; dm[k] = -(dmin * dm[k]); }"""
+        chunk = []
+        for c in range(4):
+            base = (12 + 32 * c) * 16
+            if fast:
+                dec = "v16i w[16]; " + " ".join(_load(f"w[{i}]", base + 64 * i, "v & (unsigned char)15") + " " +
+                                                _load(f"w[{8 + i}]", base + 64 * i, "(v >> 4) & (unsigned char)15")
+                                                for i in range(8))
+                da = _dots([(f"w[{i}]", f"qa + {4 * i}") for i in range(8)], "sa")
+                db = _dots([(f"w[{8 + i}]", f"qa + {32 + 4 * i}") for i in range(8)], "sb")
+            else:
+                dec = (f"int wa[32][16], wb[32][16]; for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) "
+                       f"{{ wa[j][l] = r[{base} + j * 16 + l] & 15; wb[j][l] = r[{base} + j * 16 + l] >> 4; }}")
+                da, db = _generic_dot("wa", "qa", "sa"), _generic_dot("wb", "qa + 32", "sb")
+            ua, ub = f"b * 8 + {2 * c}", f"b * 8 + {2 * c + 1}"
+            chunk.append(f"""{{ {dec}
+      for (int n = 0; n < N_COLS; n++) {{
+        {col}
+        const signed char* qa = q + ({ua}) * 32;
+        {da}
+        {db}
+        {_unit("acc[n]", "sa", f"dsc[{2 * c}]", f"xd[{ua}]", f"xs[{ua}]", f"dm[{2 * c}]")}
+        {_unit("acc[n]", "sb", f"dsc[{2 * c + 1}]", f"xd[{ub}]", f"xs[{ub}]", f"dm[{2 * c + 1}]")}
+      }} }}""")
+        return head + "\n      " + "\n      ".join(chunk)
+    # one unit a block: Q4_0 / Q4_1 (16 bytes: values j and 16 + j in byte j's nibbles), Q8_0 (32 signed bytes)
+    nh = KINDS_BY_NAME[kind][2]
+    head = "v16f dw, mw;\n      for (int l = 0; l < 16; l++) { dw[l] = (float)h[l]; mw[l] = " + \
+        ("(float)h[16 + l]" if nh == 2 else "0.0f") + "; }"
+    five = kind in ("q5_0", "q5_1")  # 4 bytes of fifth bits (bit j: value j), then Q4's 16 bytes of nibbles
+    if fast and five:  # a lane's 4 bytes of fifth bits are its 32-bit word H; bits 4i..4i+3 go to bit 4 of each byte
+        spread = lambda sh: (f"(((H >> {sh}) & 1) << 4) | (((H >> {sh}) & 2) << 11) | (((H >> {sh}) & 4) << 18) | "
+                             f"(((H >> {sh}) & 8) << 25)")
+        dec = "v16i H, w[8]; " + _load("H", 0, "v") + " " + " ".join(
+            _load(f"w[{i}]", 64 + 64 * i, "v & (unsigned char)15") + f" w[{i}] |= {spread(4 * i)}; " +
+            _load(f"w[{4 + i}]", 64 + 64 * i, "(v >> 4) & (unsigned char)15") + f" w[{4 + i}] |= {spread(16 + 4 * i)};"
+            for i in range(4))
+        pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
+        dot = _dots(pairs, "s")
+        bias = 16 if kind == "q5_0" else 0
+    elif five:
+        dec = ("int wv[32][16]; for (int l = 0; l < 16; l++) { const unsigned H = r[l] | r[16 + l] << 8 | "
+               "r[32 + l] << 16 | (unsigned)r[48 + l] << 24; for (int j = 0; j < 16; j++) { "
+               "wv[j][l] = (r[(4 + j) * 16 + l] & 15) | ((H >> j) & 1) << 4; "
+               "wv[j + 16][l] = (r[(4 + j) * 16 + l] >> 4) | ((H >> (16 + j)) & 1) << 4; } }")
+        dot = _generic_dot("wv", "qb", "s")
+        bias = 16 if kind == "q5_0" else 0
+    elif fast:
+        if kind == "q8_0":  # signed bytes -> unsigned (+128), taken off again as 128 sum(q_x)
+            dec = "v16i w[8]; " + " ".join(_load(f"w[{i}]", 64 * i, "v ^ (unsigned char)0x80") for i in range(8))
+            pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(8)]
         else:
-            dec = f"""int wv[32][16];
-      for (int j = 0; j < 16; j++) for (int l = 0; l < 16; l++) {{
-        wv[j][l] = r[j * 16 + l] & 15; wv[j + 16][l] = r[j * 16 + l] >> 4; }}"""
-        dot = """v16i s = {};
-        for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) s[l] += wv[j][l] * (int)q[j];"""
-        bias = 8 if kind == "q4_0" else 0
+            dec = "v16i w[8]; " + " ".join(_load(f"w[{i}]", 64 * i, "v & (unsigned char)15") + " " +
+                                           _load(f"w[{4 + i}]", 64 * i, "(v >> 4) & (unsigned char)15")
+                                           for i in range(4))
+            pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + \
+                [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
+        dot = _dots(pairs, "s")
+        bias = {"q8_0": 128, "q4_0": 8}.get(kind, 0)
+    else:
+        if kind == "q8_0":
+            dec = ("int wv[32][16]; for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) "
+                   "wv[j][l] = (signed char)r[j * 16 + l];")
+        else:
+            dec = ("int wv[32][16]; for (int j = 0; j < 16; j++) for (int l = 0; l < 16; l++) "
+                   "{ wv[j][l] = r[j * 16 + l] & 15; wv[j + 16][l] = r[j * 16 + l] >> 4; }")
+        dot = _generic_dot("wv", "qb", "s")
+        bias = {"q4_0": 8}.get(kind, 0)
     if bias:
-        dot += f"\n        s = s - {bias} * xs;"
-    return dec, dot
+        dot += f"\n        s = s - {bias} * xs[b];"
+    return f"""{head}
+      {dec}
+      for (int n = 0; n < N_COLS; n++) {{
+        {col}
+        const signed char* qb = q + b * 32;
+        {dot}
+        {_unit("acc[n]", "s", "dw", "xd[b]", "xs[b]", "mw" if nh == 2 else None)}
+      }}"""
 
 
 def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
-    kind, rb, nh, _ = KINDS[ggml_type]
+    kind, rb, nh, sub = KINDS[ggml_type]
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, xq: UOp, xd: UOp, xsum: UOp, *extra: UOp) -> UOp:
         G, NB = rest.shape[0], rest.shape[1]
         N, C, rows = xq.shape[0], xq.shape[1], out.shape[1]
         core = UOp.range(threads, 0, AxisType.GLOBAL)
         per = G // threads
-        dec, dot = _dot_code(kind, rb, fast)
-        offset = "\n        acc[n] = acc[n] + mw * (dx * (float)xs);" if nh == 2 else ""
         res = f" + @7[n * {rows} + g * 16 + l]" if residual else ""
+        block = _block_code(kind, fast, C, C // BLOCK).replace("N_COLS", str(N))
         code = f"""{{
   typedef int v16i __attribute__((vector_size(64)));
   typedef float v16f __attribute__((vector_size(64)));
@@ -197,16 +288,7 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
     for (int b = 0; b < {NB}; b++) {{
       const unsigned char* r = @2 + (g * {NB} + b) * {rb * 16};
       const __fp16* h = @3 + (g * {NB} + b) * {nh * 16};
-      v16f dw, mw;
-      for (int l = 0; l < 16; l++) {{ dw[l] = (float)h[l]; mw[l] = {"(float)h[16 + l]" if nh == 2 else "0.0f"}; }}
-      {dec}
-      for (int n = 0; n < {N}; n++) {{
-        const signed char* q = @4 + n * {C} + b * {BLOCK};
-        const int xs = @6[n * {NB} + b];
-        const float dx = @5[n * {NB} + b];
-        {dot}
-        acc[n] = acc[n] + __builtin_convertvector(s, v16f) * (dw * dx);{offset}
-      }}
+      {block}
     }}
     for (int n = 0; n < {N}; n++) for (int l = 0; l < 16; l++) @0[n * {rows} + g * 16 + l] = acc[n][l]{res};
   }}

@@ -11,7 +11,7 @@ from engine import quant_i8
 from tests.test_engine_gemm import weight
 from tests.test_engine_quant import blocks_of
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"]
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +108,7 @@ def test_many_columns_are_split_into_kernels(monkeypatch):
 
 def test_which_weights_take_the_path(monkeypatch):
     assert quant_i8.wanted(Q.Q4_1, 16, "CPU")
-    assert not quant_i8.wanted(Q.Q4_K, 16, "CPU")  # K-quants keep the f32 path
+    assert not quant_i8.wanted(Q.Q6_K, 16, "CPU")  # keeps the f32 path
     assert not quant_i8.wanted(Q.Q4_1, 8, "CPU")  # rows not in groups of 16
     assert not quant_i8.wanted(Q.Q4_1, 16, "CUDA")
     monkeypatch.setenv("MESH_CPU_INT8", "0")
