@@ -15,16 +15,16 @@ one block of x; a row's result is, per unit in order from 0,
     acc = acc + float(isum) * (scale * d_x)          isum = sum of q_w * q_x over the unit, exact in int32
     acc = acc + offset * (d_x * float(sum q_x))      where the type has an offset (Q4_1, Q5_1: m; Q4_K: -dmin * m)
 with scale the unit's float scale (d; Q4_K d * its 6-bit sub-scale) and Q4_0's -8, Q5_0's -16 and Q8_0's unsigned
-bias folded into isum as integers (isum - 8 sum q_x). Every integer is exact, so the order inside a unit is free;
+bias folded into isum as integers (isum - 8 sum q_x); a Q6_K unit is two sub-blocks of 16 with int8 scales, its isum
+sc_0 (isum_0 - 32 sum_0 q_x) + sc_1 (isum_1 - 32 sum_1 q_x) in int32 (x's quants are summed per 16 for this). Every integer is exact, so the order inside a unit is free;
 the float steps are one fixed chain per row and column. A column's result never depends on its step's other
 columns (the same kernel for 1 column and for 256): batch invariance holds. Against f32 activations the results
 move by the int8 rounding of x (relative ~1e-3 of a row's sum), as llama.cpp's do (bench/fidelity.py: SmolLM2's
 greedy tokens agree with llama.cpp's more often than the f32 path's did).
 
-Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K blocks in rows of 16 (SmolLM2's types, most of a
-Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q6_K and the other K-quants keep the
-f32 path (not written yet: Q6_K's 16-value sub-blocks need sums of x per half unit). Elsewhere (AVX2, NEON) the f32
-path stays the default: a portable integer loop (the same bits: every sum is an integer) ran 2x slower than the
+Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks in rows of 16 (SmolLM2's types, a
+Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q5_K, Q2_K and Q3_K keep the f32
+path (not written). Elsewhere (AVX2, NEON) the f32 path stays the default: a portable integer loop (the same bits: every sum is an integer) ran 2x slower than the
 f32 FMAs in clang's code there. MESH_CPU_INT8=1 forces this path on anywhere (the tests do, to check that the
 portable code gives the VNNI code's bits; MESH_CPU_INT8_GENERIC=1 picks the portable code on a VNNI host),
 MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs). A stage's numerics follow its host's instructions: a fleet of an
@@ -55,7 +55,7 @@ BLOCK = 32  # values of x per scale: every type here has blocks of 32
 # per type: its name, rest bytes a row's block holds, float16 fields, units of 32 values a block
 KINDS = {Q.Q4_0: ("q4_0", 16, 1, 1), Q.Q4_1: ("q4_1", 16, 2, 1), Q.Q8_0: ("q8_0", 32, 1, 1),
          Q.Q5_0: ("q5_0", 20, 1, 1), Q.Q5_1: ("q5_1", 20, 2, 1),
-         Q.Q4_K: ("q4_k", 140, 2, 8)}
+         Q.Q4_K: ("q4_k", 140, 2, 8), Q.Q6_K: ("q6_k", 208, 1, 8)}
 KINDS_BY_NAME = {v[0]: v for v in KINDS.values()}
 IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
 
@@ -114,14 +114,15 @@ def _quantize_kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp) -> UOp:
     float amax = 0.0f;
     for (int j = 0; j < {BLOCK}; j++) {{ const float a = __builtin_fabsf(v[j]); amax = a > amax ? a : amax; }}
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int s = 0;
+    int s[2] = {{0, 0}};
     for (int j = 0; j < {BLOCK}; j++) {{
       const int q = (int)__builtin_rintf(v[j] * id);
       @0[n * {C} + b * {BLOCK} + j] = (signed char)q;
-      s += q;
+      s[j >> 4] += q;
     }}
     @1[n * {NB} + b] = d;
-    @2[n * {NB} + b] = s;
+    @2[n * {2 * NB} + 2 * b] = s[0];
+    @2[n * {2 * NB} + 2 * b + 1] = s[1];
   }}
 }}"""
     ci = core_index(core, T)
@@ -130,11 +131,12 @@ def _quantize_kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp) -> UOp:
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """x (N, C) float32 -> (q (N, C) int8, d (N, C/32) float32, sum of q (N, C/32) int32), per block of 32."""
+    """x (N, C) float32 -> (q (N, C) int8, d (N, C/32) float32, sums of q (N, C/16) int32): per block of 32, its
+    scale and the sums of its two halves of 16 (Q6_K's sub-blocks have 16 values)."""
     N, C = x.shape
     q = Tensor.empty(N, C, dtype=dtypes.int8, device=x.device)
     d = Tensor.empty(N, C // BLOCK, dtype=F32, device=x.device)
-    s = Tensor.empty(N, C // BLOCK, dtype=dtypes.int32, device=x.device)
+    s = Tensor.empty(N, C // 16, dtype=dtypes.int32, device=x.device)
     q, d, s, _ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), fxn=_quantize_kernel)
     return q, d, s
 
@@ -173,14 +175,47 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
     """One unit's float steps, in this order for every kind and both codes (the same bits)."""
     code = f"{acc} = {acc} + __builtin_convertvector({s}, v16f) * ({scale} * {dx});"
     if offset is not None:
-        code += f" {acc} = {acc} + {offset} * ({dx} * (float){xs});"
+        code += f" {acc} = {acc} + {offset} * ({dx} * (float)({xs}));"
     return code
 
 
 def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
     """The C for one block of 16 rows (`r` its bytes, `h` its float16 fields) into acc[n] of every column n, each
     32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
-    col = f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  const int* xs = @6 + n * {NBX};"
+    col = f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  const int* xs = @6 + n * {2 * NBX};"
+    xsum = lambda u: f"xs[2 * ({u})] + xs[2 * ({u}) + 1]"  # noqa: E731 (a unit's sum of x quants: its two halves)
+    if kind == "q6_k":  # 8 units of 2 sub-blocks of 16, each with an int8 scale; ggml's order of the 6-bit values
+        # (engine/quant.py `_q6_k`): unit u = 4 n + k takes the low 4 bits from nibble k >> 1 of bytes 64 n + 32 (k & 1)
+        # + t and the high 2 from bits 2 k of bytes 128 + 32 n + t, t = 0..31; value - 32
+        head = """v16f d; v16i sc[16];
+      for (int l = 0; l < 16; l++) { d[l] = (float)h[l]; for (int k = 0; k < 16; k++) sc[k][l] = (signed char)r[(192 + k) * 16 + l]; }"""
+        units = []
+        for u in range(8):
+            n, k = u >> 2, u & 3
+            lo, hi = (64 * n + 32 * (k & 1)) * 16, (128 + 32 * n) * 16
+            if fast:
+                dec = "v16i w[8]; " + " ".join(
+                    _load(f"w[{i}]", lo + 64 * i, f"(v >> {4 * (k >> 1)}) & (unsigned char)15") + " " +
+                    f"{{ v16i qh; " + _load("qh", hi + 64 * i, f"((v >> {2 * k}) & (unsigned char)3) << 4") +
+                    f" w[{i}] |= qh; }}" for i in range(8))
+                d0 = _dots([(f"w[{i}]", f"qu + {4 * i}") for i in range(4)], "s0")
+                d1 = _dots([(f"w[{4 + i}]", f"qu + {16 + 4 * i}") for i in range(4)], "s1")
+            else:
+                dec = (f"int wv[32][16]; for (int t = 0; t < 32; t++) for (int l = 0; l < 16; l++) wv[t][l] = "
+                       f"((r[{lo} + t * 16 + l] >> {4 * (k >> 1)}) & 15) | (((r[{hi} + t * 16 + l] >> {2 * k}) & 3) << 4);")
+                d0 = (f"v16i s0 = {{}}, s1 = {{}}; for (int t = 0; t < 16; t++) for (int l = 0; l < 16; l++) "
+                      f"{{ s0[l] += wv[t][l] * (int)qu[t]; s1[l] += wv[16 + t][l] * (int)qu[16 + t]; }}")
+                d1 = ""
+            units.append(f"""{{ {dec}
+      for (int n = 0; n < N_COLS; n++) {{
+        {col}
+        const signed char* qu = q + (b * 8 + {u}) * 32;
+        {d0}
+        {d1}
+        v16i s = sc[{2 * u}] * (s0 - 32 * xs[2 * (b * 8 + {u})]) + sc[{2 * u + 1}] * (s1 - 32 * xs[2 * (b * 8 + {u}) + 1]);
+        {_unit("acc[n]", "s", "d", f"xd[b * 8 + {u}]", "0", None)}
+      }} }}""")
+        return head + "\n      " + "\n      ".join(units)
     if kind == "q4_k":  # 8 units: chunk c of 32 bytes (after 12 of scales) holds unit 2c (low nibbles), 2c + 1 (high)
         head = """v16f d, dmin, dsc[8], dm[8];
       for (int l = 0; l < 16; l++) { d[l] = (float)h[l]; dmin[l] = (float)h[16 + l]; }
@@ -209,8 +244,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
         const signed char* qa = q + ({ua}) * 32;
         {da}
         {db}
-        {_unit("acc[n]", "sa", f"dsc[{2 * c}]", f"xd[{ua}]", f"xs[{ua}]", f"dm[{2 * c}]")}
-        {_unit("acc[n]", "sb", f"dsc[{2 * c + 1}]", f"xd[{ub}]", f"xs[{ub}]", f"dm[{2 * c + 1}]")}
+        {_unit("acc[n]", "sa", f"dsc[{2 * c}]", f"xd[{ua}]", xsum(ua), f"dm[{2 * c}]")}
+        {_unit("acc[n]", "sb", f"dsc[{2 * c + 1}]", f"xd[{ub}]", xsum(ub), f"dm[{2 * c + 1}]")}
       }} }}""")
         return head + "\n      " + "\n      ".join(chunk)
     # one unit a block: Q4_0 / Q4_1 (16 bytes: values j and 16 + j in byte j's nibbles), Q8_0 (32 signed bytes)
@@ -257,14 +292,14 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
         dot = _generic_dot("wv", "qb", "s")
         bias = {"q4_0": 8}.get(kind, 0)
     if bias:
-        dot += f"\n        s = s - {bias} * xs[b];"
+        dot += f"\n        s = s - {bias} * ({xsum('b')});"
     return f"""{head}
       {dec}
       for (int n = 0; n < N_COLS; n++) {{
         {col}
         const signed char* qb = q + b * 32;
         {dot}
-        {_unit("acc[n]", "s", "dw", "xd[b]", "xs[b]", "mw" if nh == 2 else None)}
+        {_unit("acc[n]", "s", "dw", "xd[b]", xsum("b"), "mw" if nh == 2 else None)}
       }}"""
 
 

@@ -11,7 +11,7 @@ from engine import quant_i8
 from tests.test_engine_gemm import weight
 from tests.test_engine_quant import blocks_of
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +20,14 @@ def _int8(monkeypatch):
 
 
 def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """llama.cpp's Q8 scheme for x (N, C) f32 in numpy: per block of 32, d = amax / 127, q = rint(x * (1 / d))."""
+    """llama.cpp's Q8 scheme for x (N, C) f32 in numpy: per block of 32, d = amax / 127, q = rint(x * (1 / d));
+    the quants' sums per 16."""
     b = x.reshape(x.shape[0], -1, 32)
     d = np.abs(b).max(axis=2) / np.float32(127)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
-    q = np.rint(b * inv[..., None]).astype(np.int32)
-    return q.reshape(x.shape).astype(np.int8), d.astype(np.float32), q.sum(axis=2).astype(np.int32)
+    q = np.rint(b * inv[..., None]).astype(np.int32)  # the sums: per half block of 16
+    return q.reshape(x.shape).astype(np.int8), d.astype(np.float32), \
+        q.reshape(x.shape[0], -1, 16).sum(axis=2).astype(np.int32)
 
 
 def reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
@@ -33,7 +35,7 @@ def reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
     sum(q_x). The weights' quants and scales come from gguf's dequantizer (value = q d + m)."""
     rows = raw.shape[0]
     w = dequantize(raw, Q[qtype]).reshape(rows, -1).astype(np.float64)
-    q, d, s = quantized(x)
+    q, d, _ = quantized(x)
     xhat = q.astype(np.float64).reshape(x.shape[0], -1, 32) * d[..., None]
     return xhat.reshape(x.shape) @ w.T  # sum over blocks of (q_w d_w + m_w) q_x d_x: the same products
 
@@ -108,7 +110,7 @@ def test_many_columns_are_split_into_kernels(monkeypatch):
 
 def test_which_weights_take_the_path(monkeypatch):
     assert quant_i8.wanted(Q.Q4_1, 16, "CPU")
-    assert not quant_i8.wanted(Q.Q6_K, 16, "CPU")  # keeps the f32 path
+    assert not quant_i8.wanted(Q.Q5_K, 16, "CPU")  # keeps the f32 path
     assert not quant_i8.wanted(Q.Q4_1, 8, "CPU")  # rows not in groups of 16
     assert not quant_i8.wanted(Q.Q4_1, 16, "CUDA")
     monkeypatch.setenv("MESH_CPU_INT8", "0")
