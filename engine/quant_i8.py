@@ -103,41 +103,56 @@ def _custom(code: str, core: UOp, writes: list[tuple[UOp, tuple[UOp | int, ...]]
     return UOp(Ops.CUSTOM, dtypes.void, srcs, arg=_c(code))
 
 
-def _quantize_kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp) -> UOp:
-    N, C = x.shape
-    T = next(t for t in range(min(cpu_threads(), N), 0, -1) if N % t == 0) if N > 1 else 1
-    core = UOp.range(T, 0, AxisType.GLOBAL)
-    NB, per = C // BLOCK, N // T
-    code = f"""{{
-  for (int n = (@3) * {per}; n < ((@3) + 1) * {per}; n++) for (int b = 0; b < {NB}; b++) {{
+def _quantize_kernel(eps: float | None):
+    def kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp, *norm_w: UOp) -> UOp:
+        N, C = x.shape
+        T = next(t for t in range(min(cpu_threads(), N), 0, -1) if N % t == 0) if N > 1 else 1
+        core = UOp.range(T, 0, AxisType.GLOBAL)
+        NB, per = C // BLOCK, N // T
+        # with a norm, x's values are (x / sqrt(mean(x^2) + eps)) * w, the sum of squares one chain in order (the
+        # expressions of engine/cpu_kernels.py's norm), computed again where they are read: no f32 row in memory
+        value = "v[j]" if eps is None else f"(v[j] / rs * @5[b * {BLOCK} + j])"
+        norm = "" if eps is None else f"""
+    float ss = 0.0f;
+    for (int j = 0; j < {C}; j++) ss = ss + @4[n * {C} + j] * @4[n * {C} + j];
+    const float rs = __builtin_sqrtf(ss * {1 / C!r}f + {eps!r}f);"""
+        code = f"""{{
+  for (int n = (@3) * {per}; n < ((@3) + 1) * {per}; n++) {{{norm}
+  for (int b = 0; b < {NB}; b++) {{
     const float* v = @4 + n * {C} + b * {BLOCK};
     float amax = 0.0f;
-    for (int j = 0; j < {BLOCK}; j++) {{ const float a = __builtin_fabsf(v[j]); amax = a > amax ? a : amax; }}
+    for (int j = 0; j < {BLOCK}; j++) {{ const float a = __builtin_fabsf({value}); amax = a > amax ? a : amax; }}
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     int s[2] = {{0, 0}};
     for (int j = 0; j < {BLOCK}; j++) {{
-      const int q = (int)__builtin_rintf(v[j] * id);
+      const int q = (int)__builtin_rintf({value} * id);
       @0[n * {C} + b * {BLOCK} + j] = (signed char)q;
       s[j >> 4] += q;
     }}
     @1[n * {NB} + b] = d;
     @2[n * {2 * NB} + 2 * b] = s[0];
     @2[n * {2 * NB} + 2 * b + 1] = s[1];
-  }}
+  }} }}
 }}"""
-    ci = core_index(core, T)
-    body = _custom(code, ci, [(out_q, (ci * per, 0)), (out_d, (ci * per, 0)), (out_s, (ci * per, 0))], [x])
-    return body.end(core).sink(arg=KernelInfo(name=f"q8x_{N}x{C}", opts_to_apply=()))
+        ci = core_index(core, T)
+        body = _custom(code, ci, [(out_q, (ci * per, 0)), (out_d, (ci * per, 0)), (out_s, (ci * per, 0))],
+                       [x, *norm_w])
+        return body.end(core).sink(arg=KernelInfo(name=f"q8x_{N}x{C}" + ("" if eps is None else "_norm"),
+                                                  opts_to_apply=()))
+    return kernel
 
 
-def quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x (N, C) float32 -> (q (N, C) int8, d (N, C/32) float32, sums of q (N, C/16) int32): per block of 32, its
-    scale and the sums of its two halves of 16 (Q6_K's sub-blocks have 16 values)."""
+    scale and the sums of its two halves of 16 (Q6_K's sub-blocks have 16 values). With `norm` (weight, eps), x is
+    RMS-normalized first, in the same kernel."""
     N, C = x.shape
     q = Tensor.empty(N, C, dtype=dtypes.int8, device=x.device)
     d = Tensor.empty(N, C // BLOCK, dtype=F32, device=x.device)
     s = Tensor.empty(N, C // 16, dtype=dtypes.int32, device=x.device)
-    q, d, s, _ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), fxn=_quantize_kernel)
+    w = [] if norm is None else [norm[0].cast(F32).contiguous()]
+    q, d, s, *_ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), *w,
+                                       fxn=_quantize_kernel(None if norm is None else float(norm[1])))
     return q, d, s
 
 
@@ -338,19 +353,18 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
 def matmul_t(rest: Tensor, halfs: Tensor, ggml_type: int, rows: int, x: Tensor, *,
              norm: tuple[Tensor, float] | None = None, glu: bool = False, residual: Tensor | None = None) -> Tensor:
     """x (N, cols) @ W.T -> (N, rows) float32 for W's resident blocks, x quantized to 8 bits per block of 32; the
-    options of `QuantWeight.matmul_t`. The norm and silu(gate) * up run first as engine/cpu_kernels.py's kernels
-    (the GEMM's, bitwise the matvec's inline ones), for one column as for many."""
+    options of `QuantWeight.matmul_t`. The norm runs inside the quantize kernel, silu(gate) * up before it as
+    engine/cpu_kernels.py's kernel (C has no exp2 without libm; tinygrad's own decomposition), for one column as for
+    many."""
     x = x.cast(F32)
     if glu:
         x = cpu_kernels.glu(x)
-    if norm is not None:
-        x = cpu_kernels.rms_norm_rows(x, norm[0], norm[1])
     if x.shape[0] > MAX_COLUMNS:  # the column sums sit on each core thread's stack: bound them
-        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS],
+        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS], norm=norm,
                           residual=None if residual is None else residual[i:i + MAX_COLUMNS])
                  for i in range(0, x.shape[0], MAX_COLUMNS)]
         return parts[0].cat(*parts[1:], dim=0)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, norm)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     fxn = _dot_kernel(ggml_type, slices(rest.shape[0], cpu_threads()), residual is not None, _fast())

@@ -141,3 +141,15 @@ def test_a_stage_on_8_bit_activations_is_close_to_f32_and_any_split_is_bitwise_t
     assert not np.array_equal(whole, f32)  # the 8-bit path ran
     err, top = np.abs(whole - f32), np.abs(f32).max()  # the rounding of x, carried through 4 layers of 64
     assert err.max() < 0.1 * top and err.mean() < 1.5e-2 * top, (err.max() / top, err.mean() / top)
+
+
+def test_the_norm_inside_the_quantize_kernel_is_the_norm_kernels():
+    """With a norm, the quantize kernel normalizes x itself: the same quants as engine/cpu_kernels.py's norm kernel
+    (the Tensor expression's values, bitwise) followed by the plain quantize."""
+    from engine.cpu_kernels import rms_norm_rows
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((6, 192)) * rng.uniform(0.01, 20, (6, 1))).astype(np.float32)
+    w = Tensor(rng.standard_normal(192).astype(np.float32))
+    fused = [t.numpy() for t in quant_i8.quantize(Tensor(x), (w, 1e-5))]
+    apart = [t.numpy() for t in quant_i8.quantize(rms_norm_rows(Tensor(x), w, 1e-5))]
+    assert all(np.array_equal(a, b) for a, b in zip(fused, apart))
