@@ -71,11 +71,11 @@ def default_tile() -> int:
 
 def _avx512() -> bool:
     """Whether this is an x86 CPU with AVX-512 (its /proc/cpuinfo flags; False where there is none)."""
-    return "avx512f" in _cpu_flags()
+    return "avx512f" in cpu_flags()
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The x86 CPU's feature flags from /proc/cpuinfo (empty on other machines and systems)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return frozenset()

@@ -1,41 +1,44 @@
 """CPU matmuls with 8-bit activations: x quantized per block of 32, integer dot products (AVX-512 VNNI).
 
-Why (issue 11, "8 streams >= 4x one stream on 2 cores"): the f32 path (engine/quant.py's matvec, engine/quant_gemm.py's
-GEMM) multiplies every decoded weight as a float, one 16-lane FMA per value and column. With several columns a step
-that is the bound: an 8-column SmolLM2 step cost ~2.35 one-column steps, almost all of it FMAs (NOTES "Prefill
-GEMM"). llama.cpp's CPU path does what this module does: x is quantized to int8 per block of 32 values (Q8_0 /
-Q8_1's scheme) and a block's products are integers, 64 of them per `vpdpbusd` (4 bytes x 16 lanes), four times the
-products of an FMA. A standalone C loop of this kernel on this box's Xeon (1536x576 Q4_1, one core): 8 columns 272 ->
-57 us, one column 81 -> 34 us (bench/RESULTS.md "Thirteenth session: 8-bit activations on the CPU").
+Why (issue 11, "8 streams >= 4x one stream on 2 cores"): the f32 path (engine/quant.py's matvec,
+engine/quant_gemm.py's GEMM) multiplies every decoded weight as a float, one 16-lane FMA per value and column. With
+several columns a step that is the bound: an 8-column SmolLM2 step cost ~2.35 one-column steps, almost all of it
+FMAs (NOTES "Prefill GEMM"). llama.cpp's CPU path does what this module does: x is quantized to int8 per block of 32
+values (Q8_0 / Q8_1's scheme) and a block's products are integers, 64 of them per `vpdpbusd` (4 bytes x 16 lanes),
+four times the products of an FMA. A standalone C loop of this kernel on this box's Xeon (1536x576 Q4_1, one core):
+8 columns 272 -> 57 us, one column 81 -> 34 us (bench/RESULTS.md "Thirteenth session: 8-bit activations on the
+CPU").
 
 Numerics (the lead's decision, thirteenth session): x of a block of 32 values becomes q = rint(x / d), d = amax / 127
-(llama.cpp's quantize_row_q8_0/q8_1: the same d, the inverse multiplied, ties to even as its SIMD quantizers do;
-d is kept in f32, where llama.cpp rounds it to f16). A weight block is one or more units of 32 values, each meeting
-one block of x; a row's result is, per unit in order from 0,
+(llama.cpp's quantize_row_q8_0/q8_1: the same d, the inverse multiplied, ties to even as its SIMD quantizers do; d is
+kept in f32, where llama.cpp rounds it to f16). A weight block is one or more units of 32 values, each meeting one
+block of x; a row's result is, per unit in order from 0,
     acc = acc + float(isum) * (scale * d_x)          isum = sum of q_w * q_x over the unit, exact in int32
     acc = acc + offset * (d_x * float(sum q_x))      where the type has an offset (Q4_1, Q5_1: m; Q4_K: -dmin * m)
 with scale the unit's float scale (d; Q4_K d * its 6-bit sub-scale) and Q4_0's -8, Q5_0's -16 and Q8_0's unsigned
-bias folded into isum as integers (isum - 8 sum q_x); a Q6_K unit is two sub-blocks of 16 with int8 scales, its isum
-sc_0 (isum_0 - 32 sum_0 q_x) + sc_1 (isum_1 - 32 sum_1 q_x) in int32 (x's quants are summed per 16 for this). Every integer is exact, so the order inside a unit is free;
-the float steps are one fixed chain per row and column. A column's result never depends on its step's other
-columns (the same kernel for 1 column and for 256): batch invariance holds. Against f32 activations the results
-move by the int8 rounding of x (relative ~1e-3 of a row's sum), as llama.cpp's do (bench/fidelity.py: SmolLM2's
-greedy tokens agree with llama.cpp's more often than the f32 path's did).
+bias folded into isum as integers (isum - 8 sum q_x); a Q6_K unit is two sub-blocks of 16 with int8 scales, its
+isum sc_0 (isum_0 - 32 sum_0 q_x) + sc_1 (isum_1 - 32 sum_1 q_x) in int32 (x's quants are summed per 16 for this).
+Every integer is exact, so the order inside a unit is free; the float steps are one fixed chain per row and column.
+A column's result never depends on its step's other columns (the same kernel for 1 column and for 256): batch
+invariance holds. Against f32 activations the results move by the int8 rounding of x (0.5-0.7% of the largest
+output for Gaussian x in the kernel tests), as llama.cpp's do (bench/fidelity.py: SmolLM2's greedy tokens agree with llama.cpp's more often than the f32
+path's did).
 
 Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks in rows of 16 (SmolLM2's types, a
 Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q5_K, Q2_K and Q3_K keep the f32
-path (not written). Elsewhere (AVX2, NEON) the f32 path stays the default: a portable integer loop (the same bits: every sum is an integer) ran 2x slower than the
-f32 FMAs in clang's code there. MESH_CPU_INT8=1 forces this path on anywhere (the tests do, to check that the
-portable code gives the VNNI code's bits; MESH_CPU_INT8_GENERIC=1 picks the portable code on a VNNI host),
-MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs). A stage's numerics follow its host's instructions: a fleet of an
-AVX-512 VNNI box and a NEON Mac is not bitwise one machine (it never was across CPU and GPU).
+path (not written). Elsewhere (AVX2, NEON) the f32 path stays the default: a portable integer loop (the same bits:
+every sum is an integer) ran 2x slower than the f32 FMAs in clang's code there. MESH_CPU_INT8=1 forces this path on
+anywhere (the tests do, to check that the portable code gives the VNNI code's bits; MESH_CPU_INT8_GENERIC=1 picks
+the portable code on a VNNI host), MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs). A stage's numerics follow its
+host's instructions: a fleet of an AVX-512 VNNI box and a NEON Mac is not bitwise one machine (it never was across
+CPU and GPU).
 
 The kernels are C inside tinygrad CUSTOM ops (the step runner, engine/cpu_runner.py, still walks them like any
 kernel; the core slice is the kernel's GLOBAL axis): tinygrad's renderer has no vector integer ops, and clang 14
 does not form `vpdpbusd` from plain C (read in its output: `vpmulld`), so the one instruction is its builtin and the
 rest is GCC vector extension code, which clang keeps as written. The resident layout is engine/quant.py's (16 rows
-interleaved byte by byte); the byte transpose into the lanes `vpdpbusd` wants (4 values of a row in a 32-bit lane) is
-one `vpermb` per 64 bytes (`__builtin_shufflevector`), amortized over the step's columns.
+interleaved byte by byte); the byte transpose into the lanes `vpdpbusd` wants (4 values of a row in a 32-bit lane)
+is one `vpermb` per 64 bytes (`__builtin_shufflevector`), amortized over the step's columns.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from . import cpu_kernels
 from .cpu_runner import core_index, cpu_threads
-from .quant_gemm import MAX_COLUMNS, _cpu_flags, slices
+from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
 F32 = dtypes.float32
 BLOCK = 32  # values of x per scale: every type here has blocks of 32
@@ -63,7 +66,7 @@ IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
 def vnni() -> bool:
     """Whether this host's clang (-march=native) has the instructions of the fast kernel: AVX-512 VNNI, and VBMI
     for the byte transpose in one instruction."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_vnni" in flags and "avx512vbmi" in flags
 
 
@@ -93,10 +96,10 @@ def _c(code: str) -> str:
 
 def _custom(code: str, core: UOp, writes: list[tuple[UOp, tuple[UOp | int, ...]]], reads: list[UOp]) -> UOp:
     """The C `code` as one CUSTOM statement, its sources @0, @1, ... the pointers of the written buffers, the core
-    slice, then the pointers of the read buffers. tinygrad learns which buffers a kernel writes and reads from its STOREs and
-    LOADs only (ProgramInfo's outs and ins, which the step templates' checks and the jit's input copies use), so
-    the statement comes after a store of 0 to one element of each written buffer that this core slice's code
-    overwrites (its first: no other slice writes it), and it takes one loaded element of each read buffer."""
+    slice, then the pointers of the read buffers. tinygrad learns which buffers a kernel writes and reads from its
+    STOREs and LOADs only (ProgramInfo's outs and ins, which the step templates' checks and the jit's input copies
+    use), so the statement comes after a store of 0 to one element of each written buffer that this core slice's
+    code overwrites (its first: no other slice writes it), and it takes one loaded element of each read buffer."""
     marks = [buf[idx].store(0) for buf, idx in writes]
     loads = [buf[(0,) * len(buf.shape)] for buf in reads]
     srcs = (*[b.base for b, _ in writes], core, *[b.base for b in reads], *marks, *loads)
@@ -197,13 +200,16 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
 def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
     """The C for one block of 16 rows (`r` its bytes, `h` its float16 fields) into acc[n] of every column n, each
     32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
-    col = f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  const int* xs = @6 + n * {2 * NBX};"
+    col = (f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  "
+           f"const int* xs = @6 + n * {2 * NBX};")
     xsum = lambda u: f"xs[2 * ({u})] + xs[2 * ({u}) + 1]"  # noqa: E731 (a unit's sum of x quants: its two halves)
     if kind == "q6_k":  # 8 units of 2 sub-blocks of 16, each with an int8 scale; ggml's order of the 6-bit values
         # (engine/quant.py `_q6_k`): unit u = 4 n + k takes the low 4 bits from nibble k >> 1 of bytes 64 n + 32 (k & 1)
         # + t and the high 2 from bits 2 k of bytes 128 + 32 n + t, t = 0..31; value - 32
         head = """v16f d; v16i sc[16];
-      for (int l = 0; l < 16; l++) { d[l] = (float)h[l]; for (int k = 0; k < 16; k++) sc[k][l] = (signed char)r[(192 + k) * 16 + l]; }"""
+      for (int l = 0; l < 16; l++) {
+        d[l] = (float)h[l];
+        for (int k = 0; k < 16; k++) sc[k][l] = (signed char)r[(192 + k) * 16 + l]; }"""
         units = []
         for u in range(8):
             n, k = u >> 2, u & 3
@@ -217,7 +223,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
                 d1 = _dots([(f"w[{4 + i}]", f"qu + {16 + 4 * i}") for i in range(4)], "s1")
             else:
                 dec = (f"int wv[32][16]; for (int t = 0; t < 32; t++) for (int l = 0; l < 16; l++) wv[t][l] = "
-                       f"((r[{lo} + t * 16 + l] >> {4 * (k >> 1)}) & 15) | (((r[{hi} + t * 16 + l] >> {2 * k}) & 3) << 4);")
+                       f"((r[{lo} + t * 16 + l] >> {4 * (k >> 1)}) & 15) | "
+                       f"(((r[{hi} + t * 16 + l] >> {2 * k}) & 3) << 4);")
                 d0 = (f"v16i s0 = {{}}, s1 = {{}}; for (int t = 0; t < 16; t++) for (int l = 0; l < 16; l++) "
                       f"{{ s0[l] += wv[t][l] * (int)qu[t]; s1[l] += wv[16 + t][l] * (int)qu[16 + t]; }}")
                 d1 = ""
@@ -227,7 +234,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
         const signed char* qu = q + (b * 8 + {u}) * 32;
         {d0}
         {d1}
-        v16i s = sc[{2 * u}] * (s0 - 32 * xs[2 * (b * 8 + {u})]) + sc[{2 * u + 1}] * (s1 - 32 * xs[2 * (b * 8 + {u}) + 1]);
+        v16i s = sc[{2 * u}] * (s0 - 32 * xs[2 * (b * 8 + {u})])
+               + sc[{2 * u + 1}] * (s1 - 32 * xs[2 * (b * 8 + {u}) + 1]);
         {_unit("acc[n]", "s", "d", f"xd[b * 8 + {u}]", "0", None)}
       }} }}""")
         return head + "\n      " + "\n      ".join(units)
@@ -275,7 +283,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
             _load(f"w[{i}]", 64 + 64 * i, "v & (unsigned char)15") + f" w[{i}] |= {spread(4 * i)}; " +
             _load(f"w[{4 + i}]", 64 + 64 * i, "(v >> 4) & (unsigned char)15") + f" w[{4 + i}] |= {spread(16 + 4 * i)};"
             for i in range(4))
-        pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
+        pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + \
+            [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
         dot = _dots(pairs, "s")
         bias = 16 if kind == "q5_0" else 0
     elif five:
