@@ -21,8 +21,8 @@ isum sc_0 (isum_0 - 32 sum_0 q_x) + sc_1 (isum_1 - 32 sum_1 q_x) in int32 (x's q
 Every integer is exact, so the order inside a unit is free; the float steps are one fixed chain per row and column.
 A column's result never depends on its step's other columns (the same kernel for 1 column and for 256): batch
 invariance holds. Against f32 activations the results move by the int8 rounding of x (0.5-0.7% of the largest
-output for Gaussian x in the kernel tests), as llama.cpp's do (bench/fidelity.py: SmolLM2's greedy tokens agree with llama.cpp's more often than the f32
-path's did).
+output for Gaussian x in the kernel tests), as llama.cpp's do; the models' perplexity does not move
+(bench/perplexity.py: SmolLM2 67.40 against 67.11, Gemma 3 270M 69.59 against 69.65).
 
 Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks in rows of 16 (SmolLM2's types, a
 Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q5_K, Q2_K and Q3_K keep the f32
