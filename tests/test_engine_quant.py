@@ -16,8 +16,8 @@ TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 @pytest.fixture(autouse=True)
 def _f32_activations(monkeypatch):
-    """These tests are about the f32-activation kernels: keep Q4_0/Q4_1/Q8_0 off the 8-bit path (engine/quant_i8.py,
-    the default on AVX-512 VNNI hosts; tests/test_engine_i8.py tests it)."""
+    """These tests are about the f32-activation kernels: keep every type off the 8-bit path (engine/quant_i8.py, the
+    default on AVX-512 VNNI hosts; tests/test_engine_i8.py tests it)."""
     monkeypatch.setenv("MESH_CPU_INT8", "0")
 
 
