@@ -64,10 +64,18 @@ IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
 
 
 def vnni() -> bool:
-    """Whether this host's clang (-march=native) has the instructions of the fast kernel: AVX-512 VNNI, and VBMI
+    """Whether this host's clang (-march=native) has the instructions of the fastest kernel: AVX-512 VNNI, and VBMI
     for the byte transpose in one instruction."""
     flags = cpu_flags()
     return "avx512_vnni" in flags and "avx512vbmi" in flags
+
+
+def isa() -> str | None:
+    """The integer dot this host runs fast: "vnni" (vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd, llama.cpp's AVX2
+    dot; any x86 of the last decade), or None (ARM and others: the f32 path stays the default there)."""
+    if vnni():
+        return "vnni"
+    return "avx2" if "avx2" in cpu_flags() else None
 
 
 def wanted(ggml_type: int, il: int, device: str) -> bool:
@@ -75,7 +83,7 @@ def wanted(ggml_type: int, il: int, device: str) -> bool:
     if not device.startswith("CPU") or ggml_type not in KINDS or il != IL or not _clang(device):
         return False
     env = os.environ.get("MESH_CPU_INT8")
-    return env == "1" if env in ("0", "1") else vnni()
+    return env == "1" if env in ("0", "1") else isa() is not None
 
 
 def _clang(device: str) -> bool:
@@ -85,8 +93,10 @@ def _clang(device: str) -> bool:
     return type(Device[device].renderer).__name__ == "ClangRenderer"
 
 
-def _fast() -> bool:  # the VNNI code, unless MESH_CPU_INT8_GENERIC=1 asks for the portable loops (tests, A/B)
-    return vnni() and os.environ.get("MESH_CPU_INT8_GENERIC", "0") != "1"
+def _isa() -> str:
+    """The kernels' dot: the host's (`isa`), or MESH_CPU_INT8_ISA=generic|avx2|vnni (tests, A/B: every one gives the
+    same bits; avx2 and vnni need the instructions)."""
+    return os.environ.get("MESH_CPU_INT8_ISA") or isa() or "generic"
 
 
 def _c(code: str) -> str:
@@ -172,13 +182,28 @@ def _load(dst: str, off: int, op: str) -> str:
             f" {dst} = (v16i)({op}); }}")
 
 
-def _dots(pairs: list[tuple[str, str]], out: str) -> str:
-    """`out` = the integer sums of a 32-value unit for one column: vpdpbusd of each (weights vector, pointer to its 4
-    quants of x), in four independent chains (integer sums: any order is exact)."""
+def _dots(pairs: list[tuple[str, str]], out: str, isa: str, signed: bool = False) -> str:
+    """`out` = the integer sums of a 32-value unit for one column: the dot of each (weights vector, pointer to its 4
+    quants of x), in four independent chains (integer sums: any order is exact). vnni: one vpdpbusd (unsigned
+    weight bytes times signed x bytes, 4 products a lane). avx2: vpmaddubsw (byte pairs to int16, which saturates
+    past 32767: weights up to 63 only, or with `signed` weights the sign moved onto x as llama.cpp does, |w| <= 128)
+    then vpmaddwd by 1 (int16 pairs to int32), on two halves of 8 lanes."""
     lines = [f"v16i {out}4[4] = {{}};"]
     for i, (w, q) in enumerate(pairs):
-        lines.append(f"{{ int xw; __builtin_memcpy(&xw, {q}, 4); "
-                     f"{out}4[{i % 4}] = __builtin_ia32_vpdpbusd512({out}4[{i % 4}], {w}, (v16i){{}} + xw); }}")
+        acc = f"{out}4[{i % 4}]"
+        if isa == "vnni":
+            lines.append(f"{{ int xw; __builtin_memcpy(&xw, {q}, 4); "
+                         f"{acc} = __builtin_ia32_vpdpbusd512({acc}, {w}, (v16i){{}} + xw); }}")
+            continue
+        half = lambda k: f"__builtin_shufflevector({w}, {w}, {', '.join(str(8 * k + j) for j in range(8))})"  # noqa
+        a, b = [f"(v32c){half(k)}" for k in (0, 1)], ["(v32c)xb", "(v32c)xb"]
+        if signed:
+            a, b = [f"(v32c)__builtin_elementwise_abs((v32s){x})" for x in a], \
+                [f"__builtin_ia32_psignb256((v32c)xb, {x})" for x in a]
+        lines.append(f"{{ int xw; __builtin_memcpy(&xw, {q}, 4); const v8i xb = (v8i){{}} + xw; "
+                     f"const v8i lo = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256({a[0]}, {b[0]}), one16), "
+                     f"hi = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256({a[1]}, {b[1]}), one16); "
+                     f"{acc} += __builtin_shufflevector(lo, hi, {', '.join(str(j) for j in range(16))}); }}")
     lines.append(f"v16i {out} = ({out}4[0] + {out}4[1]) + ({out}4[2] + {out}4[3]);")
     return "\n        ".join(lines)
 
@@ -197,9 +222,10 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
     return code
 
 
-def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
+def _block_code(kind: str, isa: str, C: int, NBX: int) -> str:
     """The C for one block of 16 rows (`r` its bytes, `h` its float16 fields) into acc[n] of every column n, each
     32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
+    fast = isa != "generic"
     col = (f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  "
            f"const int* xs = @6 + n * {2 * NBX};")
     xsum = lambda u: f"xs[2 * ({u})] + xs[2 * ({u}) + 1]"  # noqa: E731 (a unit's sum of x quants: its two halves)
@@ -219,8 +245,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
                     _load(f"w[{i}]", lo + 64 * i, f"(v >> {4 * (k >> 1)}) & (unsigned char)15") + " " +
                     f"{{ v16i qh; " + _load("qh", hi + 64 * i, f"((v >> {2 * k}) & (unsigned char)3) << 4") +
                     f" w[{i}] |= qh; }}" for i in range(8))
-                d0 = _dots([(f"w[{i}]", f"qu + {4 * i}") for i in range(4)], "s0")
-                d1 = _dots([(f"w[{4 + i}]", f"qu + {16 + 4 * i}") for i in range(4)], "s1")
+                d0 = _dots([(f"w[{i}]", f"qu + {4 * i}") for i in range(4)], "s0", isa)
+                d1 = _dots([(f"w[{4 + i}]", f"qu + {16 + 4 * i}") for i in range(4)], "s1", isa)
             else:
                 dec = (f"int wv[32][16]; for (int t = 0; t < 32; t++) for (int l = 0; l < 16; l++) wv[t][l] = "
                        f"((r[{lo} + t * 16 + l] >> {4 * (k >> 1)}) & 15) | "
@@ -254,8 +280,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
                 dec = "v16i w[16]; " + " ".join(_load(f"w[{i}]", base + 64 * i, "v & (unsigned char)15") + " " +
                                                 _load(f"w[{8 + i}]", base + 64 * i, "(v >> 4) & (unsigned char)15")
                                                 for i in range(8))
-                da = _dots([(f"w[{i}]", f"qa + {4 * i}") for i in range(8)], "sa")
-                db = _dots([(f"w[{8 + i}]", f"qa + {32 + 4 * i}") for i in range(8)], "sb")
+                da = _dots([(f"w[{i}]", f"qa + {4 * i}") for i in range(8)], "sa", isa)
+                db = _dots([(f"w[{8 + i}]", f"qa + {32 + 4 * i}") for i in range(8)], "sb", isa)
             else:
                 dec = (f"int wa[32][16], wb[32][16]; for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) "
                        f"{{ wa[j][l] = r[{base} + j * 16 + l] & 15; wb[j][l] = r[{base} + j * 16 + l] >> 4; }}")
@@ -285,7 +311,7 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
             for i in range(4))
         pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + \
             [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
-        dot = _dots(pairs, "s")
+        dot = _dots(pairs, "s", isa)
         bias = 16 if kind == "q5_0" else 0
     elif five:
         dec = ("int wv[32][16]; for (int l = 0; l < 16; l++) { const unsigned H = r[l] | r[16 + l] << 8 | "
@@ -295,8 +321,9 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
         dot = _generic_dot("wv", "qb", "s")
         bias = 16 if kind == "q5_0" else 0
     elif fast:
-        if kind == "q8_0":  # signed bytes -> unsigned (+128), taken off again as 128 sum(q_x)
-            dec = "v16i w[8]; " + " ".join(_load(f"w[{i}]", 64 * i, "v ^ (unsigned char)0x80") for i in range(8))
+        if kind == "q8_0":  # vnni: signed bytes -> unsigned (+128), taken off again as 128 sum(q_x); avx2: signed
+            flip = "v ^ (unsigned char)0x80" if isa == "vnni" else "v"
+            dec = "v16i w[8]; " + " ".join(_load(f"w[{i}]", 64 * i, flip) for i in range(8))
             pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(8)]
         else:
             dec = "v16i w[8]; " + " ".join(_load(f"w[{i}]", 64 * i, "v & (unsigned char)15") + " " +
@@ -304,8 +331,8 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
                                            for i in range(4))
             pairs = [(f"w[{i}]", f"qb + {4 * i}") for i in range(4)] + \
                 [(f"w[{4 + i}]", f"qb + {16 + 4 * i}") for i in range(4)]
-        dot = _dots(pairs, "s")
-        bias = {"q8_0": 128, "q4_0": 8}.get(kind, 0)
+        dot = _dots(pairs, "s", isa, signed=kind == "q8_0" and isa == "avx2")
+        bias = {"q8_0": 128 if isa == "vnni" else 0, "q4_0": 8}.get(kind, 0)
     else:
         if kind == "q8_0":
             dec = ("int wv[32][16]; for (int j = 0; j < 32; j++) for (int l = 0; l < 16; l++) "
@@ -327,7 +354,7 @@ def _block_code(kind: str, fast: bool, C: int, NBX: int) -> str:
       }}"""
 
 
-def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
+def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
     kind, rb, nh, sub = KINDS[ggml_type]
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, xq: UOp, xd: UOp, xsum: UOp, *extra: UOp) -> UOp:
@@ -336,11 +363,16 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
         core = UOp.range(threads, 0, AxisType.GLOBAL)
         per = G // threads
         res = f" + @7[n * {rows} + g * 16 + l]" if residual else ""
-        block = _block_code(kind, fast, C, C // BLOCK).replace("N_COLS", str(N))
+        block = _block_code(kind, isa, C, C // BLOCK).replace("N_COLS", str(N))
         code = f"""{{
   typedef int v16i __attribute__((vector_size(64)));
   typedef float v16f __attribute__((vector_size(64)));
   typedef unsigned char v64u __attribute__((vector_size(64)));
+  typedef int v8i __attribute__((vector_size(32)));
+  typedef short v16s __attribute__((vector_size(32)));
+  typedef char v32c __attribute__((vector_size(32)));
+  typedef signed char v32s __attribute__((vector_size(32)));
+  const v16s one16 = (v16s){{}} + 1;
   for (int g = (@1) * {per}; g < ((@1) + 1) * {per}; g++) {{
     v16f acc[{N}];
     for (int n = 0; n < {N}; n++) acc[n] = (v16f){{}};
@@ -354,7 +386,7 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, fast: bool):
 }}"""
         ci = core_index(core, threads)
         body = _custom(code, ci, [(out, (0, ci * (per * 16)))], [rest, halfs, xq, xd, xsum, *extra])
-        return body.end(core).sink(arg=KernelInfo(name=f"i8_{kind}_{G}x16_{NB}_n{N}" + ("" if fast else "_generic"),
+        return body.end(core).sink(arg=KernelInfo(name=f"i8_{kind}_{G}x16_{NB}_n{N}" + ("" if isa == "vnni" else f"_{isa}"),
                                                   opts_to_apply=()))
     return kernel
 
@@ -376,5 +408,5 @@ def matmul_t(rest: Tensor, halfs: Tensor, ggml_type: int, rows: int, x: Tensor, 
     xq, xd, xs = quantize(x, norm)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
-    fxn = _dot_kernel(ggml_type, slices(rest.shape[0], cpu_threads()), residual is not None, _fast())
+    fxn = _dot_kernel(ggml_type, slices(rest.shape[0], cpu_threads()), residual is not None, _isa())
     return Tensor.custom_kernel(out, rest, halfs, xq, xd, xs, *extra, fxn=fxn)[0]
