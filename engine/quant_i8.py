@@ -1,4 +1,4 @@
-"""CPU matmuls with 8-bit activations: x quantized per block of 32, integer dot products (AVX-512 VNNI).
+"""CPU matmuls with 8-bit activations: x quantized per block of 32, integer dot products (AVX-512 VNNI or AVX2).
 
 Why (issue 11, "8 streams >= 4x one stream on 2 cores"): the f32 path (engine/quant.py's matvec,
 engine/quant_gemm.py's GEMM) multiplies every decoded weight as a float, one 16-lane FMA per value and column. With
@@ -25,13 +25,15 @@ output for Gaussian x in the kernel tests), as llama.cpp's do; the models' perpl
 (bench/perplexity.py: SmolLM2 67.40 against 67.11, Gemma 3 270M 69.59 against 69.65).
 
 Which weights (`wanted`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks in rows of 16 (SmolLM2's types, a
-Q4_K_M file's), on a CPU with AVX-512 VNNI and VBMI whose kernels clang compiles. Q5_K, Q2_K and Q3_K keep the f32
-path (not written). Elsewhere (AVX2, NEON) the f32 path stays the default: a portable integer loop (the same bits:
-every sum is an integer) ran 2x slower than the f32 FMAs in clang's code there. MESH_CPU_INT8=1 forces this path on
-anywhere (the tests do, to check that the portable code gives the VNNI code's bits; MESH_CPU_INT8_GENERIC=1 picks
-the portable code on a VNNI host), MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs). A stage's numerics follow its
-host's instructions: a fleet of an AVX-512 VNNI box and a NEON Mac is not bitwise one machine (it never was across
-CPU and GPU).
+Q4_K_M file's), on an x86 CPU whose kernels clang compiles: AVX-512 VNNI (and VBMI) runs `vpdpbusd`; other x86 hosts
+with AVX2 run llama.cpp's AVX2 dot (`vpmaddubsw` byte pairs to int16, `vpmaddwd` by 1 to int32; for Q8_0's signed
+weights the sign moves onto x, |w| <= 128, so no pair saturates). Both give the same integers, so every x86 host
+gives the same bits (tests/test_engine_i8.py runs each ISA the host has against the portable loop). Q5_K, Q2_K and
+Q3_K keep the f32 path (not written); ARM (NEON's `sdot` not written) keeps the f32 path by default: the portable
+integer loop (the same bits) ran 2x slower than the f32 FMAs in clang's code. MESH_CPU_INT8=1 forces this path on
+anywhere, MESH_CPU_INT8=0 keeps f32 everywhere (A/B runs); MESH_CPU_INT8_ISA=generic|avx2|vnni picks the dot
+(tests). A stage's numerics follow its host: a fleet of x86 boxes and an ARM Mac is not bitwise one machine (it
+never was across CPU and GPU).
 
 The kernels are C inside tinygrad CUSTOM ops (the step runner, engine/cpu_runner.py, still walks them like any
 kernel; the core slice is the kernel's GLOBAL axis): tinygrad's renderer has no vector integer ops, and clang 14
@@ -386,7 +388,8 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
 }}"""
         ci = core_index(core, threads)
         body = _custom(code, ci, [(out, (0, ci * (per * 16)))], [rest, halfs, xq, xd, xsum, *extra])
-        return body.end(core).sink(arg=KernelInfo(name=f"i8_{kind}_{G}x16_{NB}_n{N}" + ("" if isa == "vnni" else f"_{isa}"),
+        name = f"i8_{kind}_{G}x16_{NB}_n{N}" + ("" if isa == "vnni" else f"_{isa}")
+        return body.end(core).sink(arg=KernelInfo(name=name,
                                                   opts_to_apply=()))
     return kernel
 
