@@ -98,7 +98,10 @@ def _clang(device: str) -> bool:
 def _isa() -> str:
     """The kernels' dot: the host's (`isa`), or MESH_CPU_INT8_ISA=generic|avx2|vnni (tests, A/B: every one gives the
     same bits; avx2 and vnni need the instructions)."""
-    return os.environ.get("MESH_CPU_INT8_ISA") or isa() or "generic"
+    env = os.environ.get("MESH_CPU_INT8_ISA")
+    if env and env not in ("generic", "avx2", "vnni"):
+        raise ValueError(f"MESH_CPU_INT8_ISA={env!r}: expected generic, avx2 or vnni")
+    return env or isa() or "generic"
 
 
 def _c(code: str) -> str:
