@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow       # two peer processes, a re-form; 20-35 s a c
 N_LAYERS = 2
 STREAMS = [   # (endpoint, prompt, max_tokens, sampling): different lengths, greedy and seeded
     ("chat", "Hello there, how are you today?", 40, {"temperature": 0}),
-    ("completions", "Once upon a time", 48, {"temperature": 0.9, "seed": 2}),
+    ("completions", "Once upon a time", 48, {"temperature": 0.9, "seed": 6}),  # to its max_tokens on 8 and 32 bits
     ("completions", "The quick brown fox jumps over the lazy dog.", 30, {"temperature": 0}),
     ("chat", "Tell me a story about a robot", 44, {"temperature": 0.7, "top_p": 0.9, "seed": 5}),
 ]
@@ -132,9 +132,9 @@ def test_every_stream_survives_a_peer_lost_mid_answer(model, monkeypatch, fault)
             return len(srv.service.session.members)
         assert srv.run(serving, 1) == 2
         undisturbed = finish(*all_streams(srv))
-        # each is still going at the fault (placed once all have sent 3 tokens): well past it, whatever the numerics
-        # (on 8-bit activations, engine/quant_i8.py, the seeded story stops after 16 tokens)
-        assert all(used >= 8 for _, _, used in undisturbed), [(f, u) for _, f, u in undisturbed]
+        # each is still going at the fault: a stream that ends early races past the others' third token (seed 2 made
+        # the story stop after 16 tokens on 8-bit activations, engine/quant_i8.py, and the gate missed under load)
+        assert all(used >= 20 for _, _, used in undisturbed), [(f, u) for _, f, u in undisturbed]
 
         srv.call(gate.__setitem__, "armed", True)
         running = all_streams(srv)
