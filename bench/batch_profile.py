@@ -39,8 +39,9 @@ CONTEXT, PROMPT, REPS = 512, 20, 10
 
 
 def kind(name: str) -> str:
-    """A kernel's kind: a matmul by its weight (the matvec mv_q4_1_192x16_18 and the GEMM mm_q4_1_192x16_18_t8 are
-    both "q4_1 3072 rows", as is the 8-bit-activation i8_q4_1_192x16_18_n8), others by their op (attn_scores_8x9x64 -> attn_scores)."""
+    """A kernel's kind: a matmul by its weight (the matvec mv_q4_1_192x16_18, the GEMM mm_q4_1_192x16_18_t8 and the
+    8-bit-activation i8_q4_1_192x16_18_n8 are all "q4_1 3072 rows"), others by their op (attn_scores_8x9x64 ->
+    attn_scores)."""
     parts = name.split("_")
     if parts[0] == "q8x":  # x quantized to 8 bits before an 8-bit-activation matmul (engine/quant_i8.py)
         return "quantize x"

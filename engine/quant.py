@@ -339,11 +339,11 @@ class QuantWeight:
         gpu = not str(self.rest.device).startswith("CPU")
         if not gpu:  # 512-bit vectors on an AVX-512 host, before any of the step's kernels is rendered
             quant_gemm.wide_vectors(str(self.rest.device))
-        threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
-        fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         if quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device)):  # x in 8 bits, integer dots
             return quant_i8.matmul_t(self.rest, self.halfs, self.ggml_type, self.shape[0], x, norm=norm, glu=glu,
                                      residual=residual)
+        threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
+        fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once
             return quant_gemm.gemm_t(self.rest, self.halfs, SPECS[self.ggml_type], Q(self.ggml_type).name.lower(),
                                      self.shape[0], threads, x, norm=norm, glu=glu, residual=residual)

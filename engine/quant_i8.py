@@ -57,11 +57,9 @@ from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
 F32 = dtypes.float32
 BLOCK = 32  # values of x per scale: every type here has blocks of 32
-# per type: its name, rest bytes a row's block holds, float16 fields, units of 32 values a block
-KINDS = {Q.Q4_0: ("q4_0", 16, 1, 1), Q.Q4_1: ("q4_1", 16, 2, 1), Q.Q8_0: ("q8_0", 32, 1, 1),
-         Q.Q5_0: ("q5_0", 20, 1, 1), Q.Q5_1: ("q5_1", 20, 2, 1),
-         Q.Q4_K: ("q4_k", 140, 2, 8), Q.Q6_K: ("q6_k", 208, 1, 8)}
-KINDS_BY_NAME = {v[0]: v for v in KINDS.values()}
+# per type: its name, rest bytes a row's block holds, float16 fields
+KINDS = {Q.Q4_0: ("q4_0", 16, 1), Q.Q4_1: ("q4_1", 16, 2), Q.Q8_0: ("q8_0", 32, 1), Q.Q5_0: ("q5_0", 20, 1),
+         Q.Q5_1: ("q5_1", 20, 2), Q.Q4_K: ("q4_k", 140, 2), Q.Q6_K: ("q6_k", 208, 1)}
 IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
 
 
@@ -227,8 +225,8 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
     return code
 
 
-def _block_code(kind: str, isa: str, C: int, NBX: int) -> str:
-    """The C for one block of 16 rows (`r` its bytes, `h` its float16 fields) into acc[n] of every column n, each
+def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
+    """The C for one block of 16 rows (`r` its bytes, `h` its `nh` float16 fields) into acc[n] of every column n, each
     32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
     fast = isa != "generic"
     col = (f"const signed char* q = @4 + n * {C};  const float* xd = @5 + n * {NBX};  "
@@ -303,7 +301,6 @@ def _block_code(kind: str, isa: str, C: int, NBX: int) -> str:
       }} }}""")
         return head + "\n      " + "\n      ".join(chunk)
     # one unit a block: Q4_0 / Q4_1 (16 bytes: values j and 16 + j in byte j's nibbles), Q8_0 (32 signed bytes)
-    nh = KINDS_BY_NAME[kind][2]
     head = "v16f dw, mw;\n      for (int l = 0; l < 16; l++) { dw[l] = (float)h[l]; mw[l] = " + \
         ("(float)h[16 + l]" if nh == 2 else "0.0f") + "; }"
     five = kind in ("q5_0", "q5_1")  # 4 bytes of fifth bits (bit j: value j), then Q4's 16 bytes of nibbles
@@ -360,7 +357,7 @@ def _block_code(kind: str, isa: str, C: int, NBX: int) -> str:
 
 
 def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
-    kind, rb, nh, sub = KINDS[ggml_type]
+    kind, rb, nh = KINDS[ggml_type]
 
     def kernel(out: UOp, rest: UOp, halfs: UOp, xq: UOp, xd: UOp, xsum: UOp, *extra: UOp) -> UOp:
         G, NB = rest.shape[0], rest.shape[1]
@@ -368,7 +365,7 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
         core = UOp.range(threads, 0, AxisType.GLOBAL)
         per = G // threads
         res = f" + @7[n * {rows} + g * 16 + l]" if residual else ""
-        block = _block_code(kind, isa, C, C // BLOCK).replace("N_COLS", str(N))
+        block = _block_code(kind, nh, isa, C, C // BLOCK).replace("N_COLS", str(N))
         code = f"""{{
   typedef int v16i __attribute__((vector_size(64)));
   typedef float v16f __attribute__((vector_size(64)));
