@@ -1,9 +1,9 @@
 """Where a batched decode step spends its time against one column's step, kernel by kernel (issue 11, CPU).
 
-    .venv/bin/python bench/batch_profile.py [--model PATH] [--width 8] [--rounds 20] [--mixed]
+    .venv/bin/python bench/batch_profile.py [--model PATH] [--width 8] [--rounds 20] [--prompt 20] [--mixed]
 
 Loads the whole model in this process (one Stage, the serving shapes: n_slots = width, context 512), prefills
-`width` slots with 20 tokens each, then:
+`width` slots with `--prompt` tokens each (20), then:
 1. times, alternating, a decode step of one column and one of `width` columns (one per slot): medians, the
    ratio, and what `width` streams could reach against one stream from the engine alone (width x t1 / tN);
 2. per kernel kind (a GEMM/matvec by its weight's shape, attention, norms), its time in each step: every kernel of
@@ -81,21 +81,46 @@ def kernel_times(st: Stage, width: int, pos: int) -> dict[str, tuple[float, int]
     return out
 
 
-def runner_time(st: Stage, width: int, pos: int) -> float:
-    """Seconds of the captured decode step of `width` columns run by the step runner alone (median of 20)."""
+def _runner(st: Stage, width: int, pos: int, drop: str | None = None):
+    """The captured decode step of `width` columns as a step runner (less the kernels of kind `drop`) and the
+    values of its variables."""
     shape = next(k for k in st._replays if k[0] == width and len(k[1]) == width)
-    replay = st._replays[shape]
+    replay, calls = st._replays[shape], st._jits[shape].captured.linear.src
     var_vals = {st._vctx.expr: pos + 1, **{f"pick{j}": j for j in range(width)}}
     for i in range(width):
         var_vals[st._vslot[i].expr], var_vals[st._vpos[i].expr] = i, pos
-    runner = StepRunner(list(replay.calls), replay.threads)
-    vals = {v: var_vals[v] for v in runner.slots}
+    kept = [c for call, c in zip(calls, replay.calls) if drop is None or kind(call.src[0].arg.name) != drop]
+    runner = StepRunner(kept, replay.threads)
+    return runner, {v: var_vals[v] for v in runner.slots}
+
+
+def _time(runner: StepRunner, vals: dict, n: int) -> float:
     ts = []
-    for _ in range(20):
+    for _ in range(n):
         t = time.perf_counter()
         runner.run(vals)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+def runner_time(st: Stage, width: int, pos: int) -> float:
+    """Seconds of the captured decode step of `width` columns run by the step runner alone (median of 20)."""
+    return _time(*_runner(st, width, pos), 20)
+
+
+def knockout(st: Stage, width: int, pos: int, kinds: list[str], rounds: int) -> dict[str, float]:
+    """Kernel kind -> seconds the whole step (runner alone) loses without that kind's kernels: its cost inside the
+    step, its memory traffic and waits included (the kernels after it read stale values: timing only). Whole and
+    knocked-out runners alternate, medians of `rounds` differences."""
+    whole = _runner(st, width, pos)
+    outs = {}
+    for k in kinds:
+        less = _runner(st, width, pos, drop=k)
+        diffs = []
+        for _ in range(rounds):
+            diffs.append(_time(*whole, 3) - _time(*less, 3))
+        outs[k] = statistics.median(diffs)
+    return outs
 
 
 def main() -> None:
@@ -104,6 +129,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--knockout", type=int, default=0, metavar="ROUNDS", help="also each kernel kind's cost inside "
+                    "the step: the runner with and without that kind's kernels, alternating")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="tokens each slot holds before the timed steps "
+                    "(serve_bench's streams decode at positions ~40-100)")
     args = ap.parse_args()
     model = args.model or default_model_path()
     W = args.width
@@ -112,8 +141,10 @@ def main() -> None:
     st.warmup(decode_batch=W)
     greedy = Sampling()
     for s in range(W + 1):
-        st.step([Column(i, s, i == PROMPT - 1, 1 + i + s) for i in range(PROMPT)], None, greedy)
-    pos = PROMPT
+        for c in range(0, args.prompt, 64):
+            st.step([Column(i, s, i == args.prompt - 1, 1 + i + s) for i in range(c, min(c + 64, args.prompt))],
+                    None, greedy)
+    pos = args.prompt
     times: dict[str, list[float]] = collections.defaultdict(list)
 
     def timed(tag: str, cols: list[Column]) -> None:
@@ -144,9 +175,19 @@ def main() -> None:
           f"Python: traffic and waits {(r1 - s1) * 1e3:.2f} / {(rn - sn) * 1e3:.2f} ms, Python and hand-off "
           f"{(t1 - r1) * 1e3:.2f} / {(tn - rn) * 1e3:.2f} ms)")
 
+    if args.knockout:
+        kinds = sorted(set(k1) | set(kn), key=lambda k: -kn.get(k, (0, 0))[0])
+        o1, on = knockout(st, 1, pos, kinds, args.knockout), knockout(st, W, pos, kinds, args.knockout)
+        print(f"\nin the step (runner alone less the kind's kernels, medians of {args.knockout}), ms per step:\n"
+              f"{'kind':<24s} {'1 col':>8s} {W:>5d} col")
+        for k in sorted(kinds, key=lambda k: -on[k]):
+            print(f"{k:<24s} {o1[k] * 1e3:8.2f} {on[k] * 1e3:9.2f}")
+        print(f"{'sum':<24s} {sum(o1.values()) * 1e3:8.2f} {sum(on.values()) * 1e3:9.2f}   (runner alone {r1 * 1e3:.2f}"
+              f" / {rn * 1e3:.2f} ms)")
+
     if args.mixed:   # slot W: a prompt chunk of 16 at its next positions, beside the W decode columns
         chunk = lambda p: [Column(p + i, W, False, 7 + i) for i in range(16)]  # noqa: E731
-        pos_c = PROMPT
+        pos_c = args.prompt
         timed("warm", [*chunk(pos_c), *[Column(pos, s, True, 5) for s in range(W)]])   # compiles the mixed shape
         pos += 1
         pos_c += 16

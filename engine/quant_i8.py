@@ -125,29 +125,46 @@ def _quantize_kernel(eps: float | None):
         T = next(t for t in range(min(cpu_threads(), N), 0, -1) if N % t == 0) if N > 1 else 1
         core = UOp.range(T, 0, AxisType.GLOBAL)
         NB, per = C // BLOCK, N // T
-        # with a norm, x's values are (x / sqrt(mean(x^2) + eps)) * w, the sum of squares one chain in order (the
-        # expressions of engine/cpu_kernels.py's norm), computed again where they are read: no f32 row in memory
-        value = "v[j]" if eps is None else f"(v[j] / rs * @5[b * {BLOCK} + j])"
+        R = next(r for r in (8, 4, 2, 1) if per % r == 0)  # rows whose sums of squares run side by side
+        # with a norm, x's values are (x / sqrt(mean(x^2) + eps)) * w, each row's sum of squares one chain in order
+        # (engine/cpu_kernels.py's norm, bitwise; R rows' chains side by side, as there), computed again where
+        # they are read: no f32 row in memory. The rest is exact whatever the order (max, rint, integer sums), so
+        # it runs on 16 lanes.
+        value = lambda k: f"v{k}" if eps is None else f"(v{k} / rs * wv{k})"  # noqa: E731
         norm = "" if eps is None else f"""
-    float ss = 0.0f;
-    for (int j = 0; j < {C}; j++) ss = ss + @4[n * {C} + j] * @4[n * {C} + j];
-    const float rs = __builtin_sqrtf(ss * {1 / C!r}f + {eps!r}f);"""
+    float ss[{R}] = {{}};
+    for (int j = 0; j < {C}; j++) for (int r = 0; r < {R}; r++) ss[r] = ss[r] + @4[(n0 + r) * {C} + j] * @4[(n0 + r) * {C} + j];"""
+        rs = "" if eps is None else f"const float rs = __builtin_sqrtf(ss[r] * {1 / C!r}f + {eps!r}f);"
+        wv = "" if eps is None else \
+            "v16f wv0, wv1; __builtin_memcpy(&wv0, @5 + b * 32, 64); __builtin_memcpy(&wv1, @5 + b * 32 + 16, 64);"
         code = f"""{{
-  for (int n = (@3) * {per}; n < ((@3) + 1) * {per}; n++) {{{norm}
-  for (int b = 0; b < {NB}; b++) {{
-    const float* v = @4 + n * {C} + b * {BLOCK};
-    float amax = 0.0f;
-    for (int j = 0; j < {BLOCK}; j++) {{ const float a = __builtin_fabsf({value}); amax = a > amax ? a : amax; }}
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int s[2] = {{0, 0}};
-    for (int j = 0; j < {BLOCK}; j++) {{
-      const int q = (int)__builtin_rintf({value} * id);
-      @0[n * {C} + b * {BLOCK} + j] = (signed char)q;
-      s[j >> 4] += q;
+  typedef float v16f __attribute__((vector_size(64)));
+  typedef int v16i __attribute__((vector_size(64)));
+  typedef signed char v16c __attribute__((vector_size(16)));
+  for (int n0 = (@3) * {per}; n0 < ((@3) + 1) * {per}; n0 += {R}) {{{norm}
+  for (int r = 0; r < {R}; r++) {{
+    const int n = n0 + r;
+    {rs}
+    for (int b = 0; b < {NB}; b++) {{
+      v16f v0, v1; __builtin_memcpy(&v0, @4 + n * {C} + b * {BLOCK}, 64); __builtin_memcpy(&v1, @4 + n * {C} + b * {BLOCK} + 16, 64);
+      {wv}
+      const v16f a0 = {value(0)}, a1 = {value(1)};
+      v16f m = __builtin_elementwise_max(__builtin_elementwise_abs(a0), __builtin_elementwise_abs(a1));
+      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+      const float amax = m[0] > m[1] ? m[0] : m[1];
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const v16i q0 = __builtin_convertvector(__builtin_elementwise_roundeven(a0 * id), v16i);
+      const v16i q1 = __builtin_convertvector(__builtin_elementwise_roundeven(a1 * id), v16i);
+      const v16c c0 = __builtin_convertvector(q0, v16c), c1 = __builtin_convertvector(q1, v16c);
+      __builtin_memcpy(@0 + n * {C} + b * {BLOCK}, &c0, 16); __builtin_memcpy(@0 + n * {C} + b * {BLOCK} + 16, &c1, 16);
+      int s0 = 0, s1 = 0;
+      for (int l = 0; l < 16; l++) {{ s0 += q0[l]; s1 += q1[l]; }}
+      @1[n * {NB} + b] = d;
+      @2[n * {2 * NB} + 2 * b] = s0;
+      @2[n * {2 * NB} + 2 * b + 1] = s1;
     }}
-    @1[n * {NB} + b] = d;
-    @2[n * {2 * NB} + 2 * b] = s[0];
-    @2[n * {2 * NB} + 2 * b + 1] = s[1];
   }} }}
 }}"""
         ci = core_index(core, T)
@@ -225,6 +242,15 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
     return code
 
 
+def _halfs(names: list[str]) -> str:
+    """Declares the v16f `names` as the block's float16 fields 0, 1, ... (`h`, 16 rows each), each converted in one
+    vector instruction (vcvtph2ps): clang turns a loop of `(float)h[l]` into 16 scalar conversions and inserts, which
+    took ~38% of the 8-column Q4_1 kernel's time."""
+    return ", ".join(names) + "; " + " ".join(
+        f"{{ v16h t; __builtin_memcpy(&t, h + {16 * i}, 32); {n} = __builtin_convertvector(t, v16f); }}"
+        for i, n in enumerate(names))
+
+
 def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
     """The C for one block of 16 rows (`r` its bytes, `h` its `nh` float16 fields) into acc[n] of every column n, each
     32-value unit of the block with x block `u`: integer sums, then `_unit`'s float steps, units in order."""
@@ -235,10 +261,9 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
     if kind == "q6_k":  # 8 units of 2 sub-blocks of 16, each with an int8 scale; ggml's order of the 6-bit values
         # (engine/quant.py `_q6_k`): unit u = 4 n + k takes the low 4 bits from nibble k >> 1 of bytes 64 n + 32 (k & 1)
         # + t and the high 2 from bits 2 k of bytes 128 + 32 n + t, t = 0..31; value - 32
-        head = """v16f d; v16i sc[16];
-      for (int l = 0; l < 16; l++) {
-        d[l] = (float)h[l];
-        for (int k = 0; k < 16; k++) sc[k][l] = (signed char)r[(192 + k) * 16 + l]; }"""
+        head = f"v16f {_halfs(['d'])} v16i sc[16];\n      " + " ".join(
+            f"{{ v16sc t; __builtin_memcpy(&t, r + {(192 + k) * 16}, 16); sc[{k}] = __builtin_convertvector(t, v16i); }}"
+            for k in range(16))
         units = []
         for u in range(8):
             n, k = u >> 2, u & 3
@@ -269,13 +294,14 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
       }} }}""")
         return head + "\n      " + "\n      ".join(units)
     if kind == "q4_k":  # 8 units: chunk c of 32 bytes (after 12 of scales) holds unit 2c (low nibbles), 2c + 1 (high)
-        head = """v16f d, dmin, dsc[8], dm[8];
-      for (int l = 0; l < 16; l++) { d[l] = (float)h[l]; dmin[l] = (float)h[16 + l]; }
-      for (int l = 0; l < 16; l++) for (int k = 0; k < 8; k++) {   /* 6-bit scales and mins, as ggml packs them */
-        const int sc = k < 4 ? r[k * 16 + l] & 63 : (r[(k + 4) * 16 + l] & 15) | ((r[(k - 4) * 16 + l] >> 6) << 4);
-        const int mn = k < 4 ? r[(k + 4) * 16 + l] & 63 : (r[(k + 4) * 16 + l] >> 4) | ((r[k * 16 + l] >> 6) << 4);
-        dsc[k][l] = (float)sc; dm[k][l] = (float)mn; }
-      for (int k = 0; k < 8; k++) { dsc[k] = d * dsc[k]; dm[k] = -(dmin * dm[k]); }"""
+        # the 6-bit scales and mins as ggml packs them in the first 12 bytes, 16 rows a vector
+        sc = [f"B[{k}] & 63" if k < 4 else f"(B[{k + 4}] & 15) | ((B[{k - 4}] >> 6) << 4)" for k in range(8)]
+        mn = [f"B[{k + 4}] & 63" if k < 4 else f"(B[{k + 4}] >> 4) | ((B[{k}] >> 6) << 4)" for k in range(8)]
+        head = f"v16f {_halfs(['d', 'dmin'])} v16f dsc[8], dm[8]; v16i B[12];\n      " + " ".join(
+            f"{{ v16u t; __builtin_memcpy(&t, r + {16 * k}, 16); B[{k}] = __builtin_convertvector(t, v16i); }}"
+            for k in range(12)) + "\n      " + " ".join(
+            f"dsc[{k}] = d * __builtin_convertvector({sc[k]}, v16f); dm[{k}] = -(dmin * __builtin_convertvector("
+            f"{mn[k]}, v16f));" for k in range(8))
         chunk = []
         for c in range(4):
             base = (12 + 32 * c) * 16
@@ -301,8 +327,7 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
       }} }}""")
         return head + "\n      " + "\n      ".join(chunk)
     # one unit a block: Q4_0 / Q4_1 (16 bytes: values j and 16 + j in byte j's nibbles), Q8_0 (32 signed bytes)
-    head = "v16f dw, mw;\n      for (int l = 0; l < 16; l++) { dw[l] = (float)h[l]; mw[l] = " + \
-        ("(float)h[16 + l]" if nh == 2 else "0.0f") + "; }"
+    head = f"v16f {_halfs(['dw', 'mw'] if nh == 2 else ['dw'])}"
     five = kind in ("q5_0", "q5_1")  # 4 bytes of fifth bits (bit j: value j), then Q4's 16 bytes of nibbles
     if fast and five:  # a lane's 4 bytes of fifth bits are its 32-bit word H; bits 4i..4i+3 go to bit 4 of each byte
         spread = lambda sh: (f"(((H >> {sh}) & 1) << 4) | (((H >> {sh}) & 2) << 11) | (((H >> {sh}) & 4) << 18) | "
@@ -374,6 +399,9 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
   typedef short v16s __attribute__((vector_size(32)));
   typedef char v32c __attribute__((vector_size(32)));
   typedef signed char v32s __attribute__((vector_size(32)));
+  typedef __fp16 v16h __attribute__((vector_size(32)));
+  typedef unsigned char v16u __attribute__((vector_size(16)));
+  typedef signed char v16sc __attribute__((vector_size(16)));
   const v16s one16 = (v16s){{}} + 1;
   for (int g = (@1) * {per}; g < ((@1) + 1) * {per}; g++) {{
     v16f acc[{N}];
