@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--kv", default="f32", choices=["f32", "f16"], help="the KV pools' type")
     ap.add_argument("--knockout", type=int, default=0, metavar="ROUNDS", help="also each kernel kind's cost inside "
                     "the step: the runner with and without that kind's kernels, alternating")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="tokens each slot holds before the timed steps "
@@ -137,7 +138,8 @@ def main() -> None:
     model = args.model or default_model_path()
     W = args.width
     print(f"model {model.name}, decode width {W}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}", flush=True)
-    st = Stage.load(model, 0, read_model_meta(model).n_layers, n_slots=W + 1, max_context=CONTEXT)
+    st = Stage.load(model, 0, read_model_meta(model).n_layers, n_slots=W + 1, max_context=CONTEXT,
+                    kv_dtype=args.kv)
     st.warmup(decode_batch=W)
     greedy = Sampling()
     for s in range(W + 1):

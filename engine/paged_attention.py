@@ -33,6 +33,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from . import attention_cpu
 from .cpu_runner import core_index, cpu_threads
 
 F32 = dtypes.float32
@@ -431,6 +432,8 @@ def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, ru
     tag = f"{N}x{H}x{Hd}_r{len(runs)}"
     q = q.cast(F32).contiguous()
     gpu = _gpu(q)
+    if not gpu and attention_cpu.wanted(str(q.device), block_size, Hd):  # one C kernel, the same bits
+        return attention_cpu.attention(q, pool_k, pool_v, table, runs, max_context, H, n_kv_heads, Hd, scale)
     if gpu and gpu_split_ok(Hd, block_size):
         nch = -(-max_context // CH)
         po = Tensor.empty(N, H, nch, Hd, dtype=F32, device=q.device)

@@ -45,13 +45,13 @@ is one `vpermb` per 64 bytes (`__builtin_shufflevector`), amortized over the ste
 from __future__ import annotations
 
 import os
-import re
 
 from gguf import GGMLQuantizationType as Q
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinygrad.uop.ops import AxisType, KernelInfo
 
 from . import cpu_kernels
+from .c_kernels import custom
 from .cpu_runner import core_index, cpu_threads
 from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
@@ -100,23 +100,6 @@ def _isa() -> str:
     if env and env not in ("generic", "avx2", "vnni"):
         raise ValueError(f"MESH_CPU_INT8_ISA={env!r}: expected generic, avx2 or vnni")
     return env or isa() or "generic"
-
-
-def _c(code: str) -> str:
-    """C text -> a CUSTOM op's format string: braces doubled, the op's sources @0, @1, ... as {0}, {1}, ..."""
-    return re.sub(r"@(\d)", r"{\1}", code.replace("{", "{{").replace("}", "}}"))
-
-
-def _custom(code: str, core: UOp, writes: list[tuple[UOp, tuple[UOp | int, ...]]], reads: list[UOp]) -> UOp:
-    """The C `code` as one CUSTOM statement, its sources @0, @1, ... the pointers of the written buffers, the core
-    slice, then the pointers of the read buffers. tinygrad learns which buffers a kernel writes and reads from its
-    STOREs and LOADs only (ProgramInfo's outs and ins, which the step templates' checks and the jit's input copies
-    use), so the statement comes after a store of 0 to one element of each written buffer that this core slice's
-    code overwrites (its first: no other slice writes it), and it takes one loaded element of each read buffer."""
-    marks = [buf[idx].store(0) for buf, idx in writes]
-    loads = [buf[(0,) * len(buf.shape)] for buf in reads]
-    srcs = (*[b.base for b, _ in writes], core, *[b.base for b in reads], *marks, *loads)
-    return UOp(Ops.CUSTOM, dtypes.void, srcs, arg=_c(code))
 
 
 def _quantize_kernel(eps: float | None):
@@ -168,7 +151,7 @@ def _quantize_kernel(eps: float | None):
   }} }}
 }}"""
         ci = core_index(core, T)
-        body = _custom(code, ci, [(out_q, (ci * per, 0)), (out_d, (ci * per, 0)), (out_s, (ci * per, 0))],
+        body = custom(code, ci, [(out_q, (ci * per, 0)), (out_d, (ci * per, 0)), (out_s, (ci * per, 0))],
                        [x, *norm_w])
         return body.end(core).sink(arg=KernelInfo(name=f"q8x_{N}x{C}" + ("" if eps is None else "_norm"),
                                                   opts_to_apply=()))
@@ -415,7 +398,7 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
   }}
 }}"""
         ci = core_index(core, threads)
-        body = _custom(code, ci, [(out, (0, ci * (per * 16)))], [rest, halfs, xq, xd, xsum, *extra])
+        body = custom(code, ci, [(out, (0, ci * (per * 16)))], [rest, halfs, xq, xd, xsum, *extra])
         name = f"i8_{kind}_{G}x16_{NB}_n{N}" + ("" if isa == "vnni" else f"_{isa}")
         return body.end(core).sink(arg=KernelInfo(name=name,
                                                   opts_to_apply=()))

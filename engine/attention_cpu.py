@@ -1,0 +1,167 @@
+"""Attention over the paged KV cache on the CPU in one C kernel a layer, each column's loops bounded by its own position.
+
+engine/paged_attention.py's CPU kernels (scores, softmax, values: tinygrad UOps) run every column's loops to the
+step's longest sequence (`ctx`) with the positions past a column's own masked, read every key once per query head
+of a GQA group, and meet the other core at two extra kernel boundaries a layer. In SmolLM2's 8-column decode step at
+position 64 they cost ~1.6-2.2 ms of a ~10 ms step (bench/batch_profile.py --knockout), more than the q/k/v matmul.
+tinygrad cannot end a loop at a value loaded per column (its linearizer asserted on that, tenth session), so this
+kernel is C (engine/c_kernels.py), one per layer, its work split over the cores by (column, KV head) pairs:
+
+    scores  s[h, t] = scale * sum_d q[h, d] k[t, d]     the group's G heads side by side, 16 positions a vector
+    softmax p[h, t] = exp2((s - max_t s) * log2 e), l[h] = 1 / sum_t p[h, t]     t <= pos
+    values  o[h, d] = l[h] * sum_t p[h, t] v[t, d]      64 values of d at a time, the G heads side by side
+
+for t <= pos only. Every value is bitwise what the three tinygrad kernels give: the same sums in the same order (a
+score's over d in order as one FMA chain, the softmax's sum over t in order, a value's over t in order with the
+product rounded before the add: the tinygrad kernel's mask stood between them, so clang did not contract them), the
+same exp2 (tinygrad's decomposition, written out as it renders it), and the positions it skips contributed exact
+zeros there (tests/test_attention_cpu.py checks the bits against those kernels, ragged steps included). So a
+column's attention stays batch invariant and every earlier result stands.
+
+Taken where the CPU device renders clang C, the pool's blocks hold 16 positions (the keys' transposed blocks load
+as one vector) and head_dim is a multiple of 16; MESH_CPU_ATTN=0 keeps the tinygrad kernels (A/B runs).
+"""
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.uop.ops import AxisType, KernelInfo
+
+from .c_kernels import custom
+from .cpu_runner import core_index, cpu_threads
+
+F32 = dtypes.float32
+LOG2E = 1.4426950408889634
+VEC = 16  # positions of a key block loaded as one vector (the pool's block size), values of d a vector
+
+
+def _f32(x: float) -> str:
+    """x rounded to float32, as a C hex literal: the constant tinygrad renders for x (its f32 value), exactly."""
+    return struct.unpack("f", struct.pack("f", x))[0].hex() + "f"
+
+
+def wanted(device: str, block_size: int, head_dim: int) -> bool:
+    """Whether attention on `device` takes this kernel (see the module docstring)."""
+    from tinygrad import Device
+    if not device.startswith("CPU") or block_size != VEC or head_dim % VEC or os.environ.get("MESH_CPU_ATTN") == "0":
+        return False
+    return type(Device[device].renderer).__name__ == "ClangRenderer"
+
+
+def _exp2(x: str) -> str:
+    """C statements computing `e` = exp2(x) for the float expression `x` as tinygrad's decomposition renders it
+    (tinygrad/uop/decompositions.py xexp2: a rounding to an integer, a degree-6 polynomial that clang contracts to
+    FMAs, two power-of-two factors), with its guards for inf and NaN."""
+    terms = ["0.00015359208919107914f", "0.0013392627006396651f", "0.009618384763598442f", "0.055503472685813904f",
+             "0.24022644758224487f", "0.6931471824645996f", "1.0f"]
+    expr = f"({terms[0]} * f)"
+    for c in terms[1:-1]:
+        expr = f"(({expr} + {c}) * f)"
+    expr = f"({expr} + {terms[-1]})"
+    return (f"const float a = {x}; const _Bool nan = a != a; "
+            f"const float z = a != __builtin_inff() ? (nan ? 0.0f : (a != -__builtin_inff() ? a : 0.0f)) : 0.0f; "
+            f"const int k = (int)(z + (z < 0.0f ? -0.5f : 0.5f)), k2 = k >> 1; const float f = z - (float)k; "
+            f"const float u = !(a < 128.0f) ? __builtin_inff() : ({expr} * __builtin_bit_cast(float, (int)((k2 + 127) "
+            f"<< 23)) * __builtin_bit_cast(float, (int)(((k - k2) + 127) << 23))); "
+            f"const float e = nan ? __builtin_nanf(\"\") : (a < -150.0f ? 0.0f : u);")
+
+
+def _load16(dst: str, src: str, half: bool) -> str:
+    if half:
+        return f"v16f {dst}; {{ v16h t_; __builtin_memcpy(&t_, {src}, 32); {dst} = __builtin_convertvector(t_, v16f); }}"
+    return f"v16f {dst}; __builtin_memcpy(&{dst}, {src}, 64);"
+
+
+def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, tag: str):
+    G, W = H // KvH, KvH * Hd
+    DC = VEC * next(k for k in (4, 3, 2, 1) if (Hd // VEC) % k == 0)  # values of d a pass of the values loop
+
+    def kernel(o: UOp, p: UOp, q: UOp, pk: UOp, pv: UOp, table: UOp) -> UOp:
+        N, QS, MC = q.shape[0], q.shape[1], p.shape[2]
+        TB, NBLK = table.shape[1], pk.shape[0] // (W * VEC)
+        half = pk.dtype == dtypes.float16
+        KT = "__fp16" if half else "float"
+        P = N * KvH
+        T = min(cpu_threads(), P)  # slices of pairs, not necessarily even: one column's 3 pairs on 2 cores
+        core = UOp.range(T, 0, AxisType.GLOBAL)
+        ci = core_index(core, T)
+        first = ci * P // T
+        c0, g0 = first // KvH, first % KvH
+        # sources: @0 o, @1 p, @2 core, @3 q, @4 pk, @5 pv, @6 table, then each run's slot and position
+        chain = ""
+        for r, run in enumerate(runs):
+            take = f"{{ slot = @{7 + 2 * r}; pos = @{8 + 2 * r} + (c - {run.col}); }}"
+            chain += take if r == len(runs) - 1 else f"if (c < {run.col + run.n}) {take} else "
+        blk = f"(tab[{{t}}] < 0 ? 0 : tab[{{t}}] > {NBLK - 1} ? {NBLK - 1} : tab[{{t}}])"
+        code = f"""{{
+  typedef float v16f __attribute__((vector_size(64)));
+  typedef __fp16 v16h __attribute__((vector_size(32)));
+  const int p0 = (@2) * {P} / {T}, p1 = ((@2) + 1) * {P} / {T};
+  for (int pr = p0; pr < p1; pr++) {{
+    const int c = pr / {KvH}, g = pr % {KvH};
+    int slot, pos;
+    {chain}
+    const int n = pos + 1;
+    const float* qc = @3 + c * {QS} + g * {G * Hd};
+    float* pc = @1 + (c * {H} + g * {G}) * {MC};
+    const int* tab = @6 + slot * {TB};
+    float mx[{G}], tot[{G}];
+    for (int h = 0; h < {G}; h++) {{ mx[h] = -__builtin_inff(); tot[h] = 0.0f; }}
+    for (int tb = 0; tb * 16 < n; tb++) {{
+      const int b = {blk.format(t="tb")};
+      const {KT}* kb = @4 + b * {VEC * W} + g * {Hd * VEC};
+      v16f acc[{G}];
+      for (int h = 0; h < {G}; h++) acc[h] = (v16f){{}};
+      for (int d = 0; d < {Hd}; d++) {{
+        {_load16("k", f"kb + d * {VEC}", half)}
+        for (int h = 0; h < {G}; h++) acc[h] = acc[h] + qc[h * {Hd} + d] * k;
+      }}
+      const int m = n - tb * 16 < 16 ? n - tb * 16 : 16;
+      for (int h = 0; h < {G}; h++) {{
+        const v16f s = acc[h] * {_f32(scale)};
+        for (int i = 0; i < m; i++) {{ pc[h * {MC} + tb * 16 + i] = s[i]; mx[h] = mx[h] < s[i] ? s[i] : mx[h]; }}
+      }}
+    }}
+    for (int h = 0; h < {G}; h++) {{
+      float* ph = pc + h * {MC};
+      const float mh = mx[h];
+      for (int t = 0; t < n; t++) {{ {_exp2(f"(ph[t] - mh) * {_f32(LOG2E)}")} ph[t] = e; }}
+    }}
+    for (int t = 0; t < n; t++) for (int h = 0; h < {G}; h++) tot[h] = tot[h] + pc[h * {MC} + t];
+    for (int h = 0; h < {G}; h++) tot[h] = 1.0f / tot[h];
+    for (int dc = 0; dc < {Hd}; dc += {DC}) {{
+      v16f acc[{G}][{DC // VEC}];
+      for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j++) acc[h][j] = (v16f){{}};
+      for (int t = 0; t < n; t++) {{
+        const {KT}* vr = @5 + ({blk.format(t="t >> 4")} * 16 + (t & 15)) * {W} + g * {Hd} + dc;
+        for (int j = 0; j < {DC // VEC}; j++) {{
+          {_load16("v", f"vr + j * {VEC}", half)}
+          for (int h = 0; h < {G}; h++) {{ const v16f pv_ = pc[h * {MC} + t] * v; acc[h][j] = acc[h][j] + pv_; }}
+        }}
+      }}
+      for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j++) {{
+        const v16f r = acc[h][j] * tot[h];
+        __builtin_memcpy(@0 + c * {H * Hd} + (g * {G} + h) * {Hd} + dc + j * {VEC}, &r, 64);
+      }}
+    }}
+  }}
+}}"""
+        values = tuple(v for run in runs for v in (run.slot, run.pos))
+        body = custom(code, ci, [(o, (c0, g0 * (G * Hd))), (p, (c0, g0 * G, 0))], [q, pk, pv, table], values)
+        return body.end(core).sink(arg=KernelInfo(name=f"attn_c_{tag}", opts_to_apply=()))
+    return kernel
+
+
+def attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence, max_context: int,
+              n_heads: int, n_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+    """paged_attention's result on the CPU (runs: kernel variables, engine/paged_attention.py `_kruns`): q (N, H Hd
+    and more) float32 contiguous -> (N, H Hd) float32."""
+    N, H, Hd = q.shape[0], n_heads, head_dim
+    tag = f"{N}x{H}x{Hd}_r{len(runs)}"
+    o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
+    p = Tensor.empty(N, H, -(-max_context // VEC) * VEC, dtype=F32, device=q.device)  # whole vectors a row
+    return Tensor.custom_kernel(o, p, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
+                                fxn=_kernel(runs, H, n_kv_heads, Hd, scale, tag))[0]

@@ -1,0 +1,31 @@
+"""A CPU kernel written as C text inside a tinygrad CUSTOM op (engine/quant_i8.py, engine/attention_cpu.py).
+
+tinygrad renders no vector integer ops and bounds every loop by a value it knows when it renders the kernel; where a
+kernel needs either, its body is C (GCC vector extensions, clang builtins) in one CUSTOM statement. The step runner
+(engine/cpu_runner.py) walks such a kernel like any other: the core slice is its GLOBAL axis.
+"""
+from __future__ import annotations
+
+import re
+
+from tinygrad import UOp, dtypes
+from tinygrad.uop.ops import Ops
+
+
+def c_format(code: str) -> str:
+    """C text -> a CUSTOM op's format string: braces doubled, the op's sources @0, @1, ... as {0}, {1}, ..."""
+    return re.sub(r"@(\d+)", r"{\1}", code.replace("{", "{{").replace("}", "}}"))
+
+
+def custom(code: str, core: UOp, writes: list[tuple[UOp, tuple[UOp | int, ...]]], reads: list[UOp],
+           values: tuple[UOp, ...] = ()) -> UOp:
+    """The C `code` as one CUSTOM statement, its sources @0, @1, ... the pointers of the written buffers, the core
+    slice, the pointers of the read buffers, then `values` (bound variables: their names in the C). tinygrad learns
+    which buffers a kernel writes and reads from its STOREs and LOADs only (ProgramInfo's outs and ins, which the step
+    templates' checks and the jit's input copies use), so the statement comes after a store of 0 to one element of
+    each written buffer that this core slice's code overwrites (its first: no other slice writes it), and it takes
+    one loaded element of each read buffer."""
+    marks = [buf[idx].store(0) for buf, idx in writes]
+    loads = [buf[(0,) * len(buf.shape)] for buf in reads]
+    srcs = (*[b.base for b, _ in writes], core, *[b.base for b in reads], *values, *marks, *loads)
+    return UOp(Ops.CUSTOM, dtypes.void, srcs, arg=c_format(code))
