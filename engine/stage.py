@@ -168,6 +168,18 @@ class WarmupResult(NamedTuple):
 _KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
 
 
+def default_kv_dtype(device: str | None = None) -> str:
+    """The KV pools' type where Stage.load is not told one: $MESH_KV_DTYPE (f16 or f32), else f16 on a CPU device
+    (as llama.cpp keeps its KV cache: half the memory and half the bytes attention reads from DRAM each step, which
+    bound the CPU's batched decode step; NOTES "KV in f16 on the CPU") and f32 on GPUs (not measured there)."""
+    env = os.environ.get("MESH_KV_DTYPE")
+    if env:
+        if env not in _KV_DTYPES:
+            raise EngineError(f"MESH_KV_DTYPE={env!r}: expected f16 or f32")
+        return env
+    return "f16" if str(device or Device.DEFAULT).startswith("CPU") else "f32"
+
+
 def _tree_max(x: Tensor, pad: float, fan: int = 16) -> Tensor:
     """max over the last axis of (M, L) as a tree of kernels, each reducing `fan` values a thread: every level but
     the last has > 2048 outputs or few inputs each, so no kernel walks a long row on a few threads."""
@@ -254,11 +266,13 @@ class Stage:
 
     @classmethod
     def load(cls, path: str | Path, start: int, end: int, *, n_slots: int = 4, max_context: int = 2048,
-             weights: WeightMode = "gguf", kv_dtype: str = "f32", jit: bool = True,
+             weights: WeightMode = "gguf", kv_dtype: str | None = None, jit: bool = True,
              kv_blocks: int | None = None) -> "Stage":
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
         the final norm and output head (the embeddings again when the output is tied). `kv_blocks`: the KV pool's
-        blocks of BLOCK_SIZE positions per layer (default: enough for every slot at max_context)."""
+        blocks of BLOCK_SIZE positions per layer (default: enough for every slot at max_context). `kv_dtype`: the
+        KV pools' type, "f32" or "f16" (default: $MESH_KV_DTYPE, else `default_kv_dtype()`)."""
+        kv_dtype = kv_dtype or default_kv_dtype()
         g = read_gguf(path)
         meta = meta_from_gguf(g)
         check_range(meta, start, end)

@@ -85,7 +85,8 @@ def _chain(reports: list[StageReport], ranges) -> tuple[tuple[str, int, int], ..
 
 def model_cost(path: Path, *, n_slots: int, max_context: int) -> ModelCost:
     """The planner's view of the model: MB one layer needs on a peer (its weights as stored, plus an f32 KV cache for
-    the coordinator's slots and context; peers run with the same settings by default) and a column's wire bytes."""
+    the coordinator's slots and context; peers run with the same settings by default; CPU peers keep f16 KV, so this
+    over-estimates them: engine/stage.py default_kv_dtype) and a column's wire bytes."""
     from engine.gguf_meta import read_gguf
     meta, gguf = read_model_meta(path), read_gguf(path)
     weights = sum(t.nbytes for n, t in gguf.tensors.items() if n.startswith("blk."))

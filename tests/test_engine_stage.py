@@ -138,6 +138,7 @@ def test_stage_attributes(models):
 
 def test_batched_decode_across_slots(models, monkeypatch):
     monkeypatch.setenv("MESH_CPU_INT8", "0")  # the reference is a model of f32 activations (engine/quant_i8.py)
+    monkeypatch.setenv("MESH_KV_DTYPE", "f32")  # and of an f32 KV cache (engine/stage.py default_kv_dtype)
     (s,) = load_split(models["qwen2"], [])
     prompts = {0: [5, 6, 7], 2: [9, 8, 7, 6, 5], 3: [1]}
     single = {}
@@ -288,6 +289,7 @@ def test_chunked_prefill_agrees_with_the_reference_and_every_stage_keeps_the_kv(
     """A prompt sent in pieces, only the last asking for logits (the coordinator's chunks): the last stage must
     write the KV of a piece without logits too, and a piece's chunks attend to the chunks before them."""
     monkeypatch.setenv("MESH_CPU_INT8", "0")  # the reference is a model of f32 activations (engine/quant_i8.py)
+    monkeypatch.setenv("MESH_KV_DTYPE", "f32")  # and of an f32 KV cache (engine/stage.py default_kv_dtype)
     tokens = [(11 * i + 3) % 256 for i in range(60)]
     want = reference_logits(models["qwen3"], tokens)[20:]
     split = load_split(models["qwen3"], [2])

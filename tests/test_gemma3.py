@@ -23,6 +23,7 @@ def _f32_activations():
     (engine/quant_i8.py, tests/test_engine_i8.py) off for this module's stages (shared across its tests)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MESH_CPU_INT8", "0")
+        mp.setenv("MESH_KV_DTYPE", "f32")  # the reference keeps its KV in f32
         yield
 
 
