@@ -75,7 +75,7 @@ def _load16(dst: str, src: str, half: bool) -> str:
     return f"v16f {dst}; __builtin_memcpy(&{dst}, {src}, 64);"
 
 
-def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, tag: str):
+def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag: str):
     G, W = H // KvH, KvH * Hd
     DC = VEC * next(k for k in (4, 3, 2, 1) if (Hd // VEC) % k == 0)  # values of d a pass of the values loop
 
@@ -104,7 +104,7 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, tag: str):
     const int c = pr / {KvH}, g = pr % {KvH};
     int slot, pos;
     {chain}
-    const int n = pos + 1;
+    const int n = (pos < {L - 1} ? pos : {L - 1}) + 1;  /* a padded chunk's pad columns may sit past the context */
     const float* qc = @3 + c * {QS} + g * {G * Hd};
     float* pc = @1 + (c * {H} + g * {G}) * {MC};
     const int* tab = @6 + slot * {TB};
@@ -164,4 +164,4 @@ def attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Se
     o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
     p = Tensor.empty(N, H, -(-max_context // VEC) * VEC, dtype=F32, device=q.device)  # whole vectors a row
     return Tensor.custom_kernel(o, p, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
-                                fxn=_kernel(runs, H, n_kv_heads, Hd, scale, tag))[0]
+                                fxn=_kernel(runs, H, n_kv_heads, Hd, scale, max_context, tag))[0]
