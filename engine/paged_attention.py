@@ -22,6 +22,8 @@ exact zero (a `where`, not a multiply by zero, so even garbage in a trash row ca
 same order whatever else is in the step. So a column's attention is bitwise the same whether it steps alone or next
 to sequences of any length, and splits stay bitwise equal (every stage runs the same kernels for a layer).
 Written in UOps with tinygrad's `custom_kernel`: no CUDA C, no intrinsics; the same code renders for CPU and GPUs.
+On a CPU whose kernels clang compiles, scores, softmax and values run as one C kernel instead
+(engine/attention_cpu.py: each column's loops end at its own position), bitwise the same.
 """
 from __future__ import annotations
 
