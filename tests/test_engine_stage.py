@@ -343,3 +343,18 @@ def test_step_results_and_inputs_are_not_shared_between_steps(models):
     x[:] = 0.0  # overwriting the caller's array after the step changes nothing the stage holds
     b.rollback(0, len(PROMPT))
     assert np.array_equal(b.step_logits([Column(len(PROMPT), 0, True)], h1), l1)
+
+
+def test_kv_type_is_f16_on_the_cpu_unless_told(tmp_path, monkeypatch):
+    from engine.stage import default_kv_dtype
+    monkeypatch.delenv("MESH_KV_DTYPE", raising=False)
+    assert default_kv_dtype("CPU") == "f16" and default_kv_dtype("CUDA") == "f32"
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2)
+    f16 = Stage.load(p, 0, 2, n_slots=2, max_context=64)
+    monkeypatch.setenv("MESH_KV_DTYPE", "f32")
+    assert default_kv_dtype("CPU") == "f32"
+    f32 = Stage.load(p, 0, 2, n_slots=2, max_context=64)
+    assert f16.kv_bytes * 2 == f32.kv_bytes  # the same pools, half the bytes
+    monkeypatch.setenv("MESH_KV_DTYPE", "bf16")
+    with pytest.raises(EngineError, match="MESH_KV_DTYPE='bf16'"):
+        Stage.load(p, 0, 2, n_slots=2, max_context=64)
