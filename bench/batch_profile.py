@@ -53,14 +53,24 @@ def kind(name: str) -> str:
     return parts[0] if parts[0] == "glu" else "other"
 
 
-def kernel_times(st: Stage, width: int, pos: int) -> dict[str, tuple[float, int]]:
-    """Kernel kind -> (seconds per step, calls per step) for the decode step of `width` columns at `pos`."""
+def _captured(st: Stage, width: int):
+    """The decode step of `width` columns (slot i in column i): its replay and its captured calls."""
     shape = next(k for k in st._replays if k[0] == width and len(k[1]) == width)
-    replay, calls = st._replays[shape], st._jits[shape].captured.linear.src
-    var_vals = {st._vctx.expr: pos + 1}
+    return st._replays[shape], st._jits[shape].captured.linear.src
+
+
+def _var_vals(st: Stage, width: int, pos: int) -> dict:
+    """The step's bound variables: slot i at `pos` in column i, the context, greedy picks."""
+    var_vals = {st._vctx.expr: pos + 1, **{f"pick{j}": j for j in range(width)}}
     for i in range(width):
         var_vals[st._vslot[i].expr], var_vals[st._vpos[i].expr] = i, pos
-    var_vals.update((f"pick{j}", j) for j in range(width))
+    return var_vals
+
+
+def kernel_times(st: Stage, width: int, pos: int) -> dict[str, tuple[float, int]]:
+    """Kernel kind -> (seconds per step, calls per step) for the decode step of `width` columns at `pos`."""
+    replay, calls = _captured(st, width)
+    var_vals = _var_vals(st, width, pos)
     by_kind: dict[str, list] = collections.defaultdict(list)
     for call, c in zip(calls, replay.calls):
         by_kind[kind(call.src[0].arg.name)].append((call.src[0].arg.name, c))
@@ -84,11 +94,8 @@ def kernel_times(st: Stage, width: int, pos: int) -> dict[str, tuple[float, int]
 def _runner(st: Stage, width: int, pos: int, drop: str | None = None):
     """The captured decode step of `width` columns as a step runner (less the kernels of kind `drop`) and the
     values of its variables."""
-    shape = next(k for k in st._replays if k[0] == width and len(k[1]) == width)
-    replay, calls = st._replays[shape], st._jits[shape].captured.linear.src
-    var_vals = {st._vctx.expr: pos + 1, **{f"pick{j}": j for j in range(width)}}
-    for i in range(width):
-        var_vals[st._vslot[i].expr], var_vals[st._vpos[i].expr] = i, pos
+    replay, calls = _captured(st, width)
+    var_vals = _var_vals(st, width, pos)
     kept = [c for call, c in zip(calls, replay.calls) if drop is None or kind(call.src[0].arg.name) != drop]
     runner = StepRunner(kept, replay.threads)
     return runner, {v: var_vals[v] for v in runner.slots}

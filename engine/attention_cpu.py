@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
-from .c_kernels import custom
+from .c_kernels import custom, renders_c
 from .cpu_runner import core_index, cpu_threads
 
 F32 = dtypes.float32
@@ -45,10 +45,8 @@ def _f32(x: float) -> str:
 
 def wanted(device: str, block_size: int, head_dim: int) -> bool:
     """Whether attention on `device` takes this kernel (see the module docstring)."""
-    from tinygrad import Device
-    if not device.startswith("CPU") or block_size != VEC or head_dim % VEC or os.environ.get("MESH_CPU_ATTN") == "0":
-        return False
-    return type(Device[device].renderer).__name__ == "ClangRenderer"
+    return device.startswith("CPU") and block_size == VEC and head_dim % VEC == 0 and \
+        os.environ.get("MESH_CPU_ATTN") != "0" and renders_c(device)
 
 
 def _exp2(x: str) -> str:

@@ -12,6 +12,13 @@ from tinygrad import UOp, dtypes
 from tinygrad.uop.ops import Ops
 
 
+def renders_c(device: str) -> bool:
+    """Whether `device` renders C for clang (the kernels written as C text need it): not the LLVM IR or X86
+    renderers that a DEV such as CPU:LLVM or CPU:X86 picks (their stages keep tinygrad's own kernels)."""
+    from tinygrad import Device
+    return type(Device[device].renderer).__name__ == "ClangRenderer"
+
+
 def c_format(code: str) -> str:
     """C text -> a CUSTOM op's format string: braces doubled, the op's sources @0, @1, ... as {0}, {1}, ..."""
     return re.sub(r"@(\d+)", r"{\1}", code.replace("{", "{{").replace("}", "}}"))

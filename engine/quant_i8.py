@@ -51,7 +51,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
 from . import cpu_kernels
-from .c_kernels import custom
+from .c_kernels import custom, renders_c
 from .cpu_runner import core_index, cpu_threads
 from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
@@ -80,17 +80,10 @@ def isa() -> str | None:
 
 def wanted(ggml_type: int, il: int, device: str) -> bool:
     """Whether a weight of `ggml_type` interleaved by `il` takes this path on `device` (see the module's docstring)."""
-    if not device.startswith("CPU") or ggml_type not in KINDS or il != IL or not _clang(device):
+    if not device.startswith("CPU") or ggml_type not in KINDS or il != IL or not renders_c(device):
         return False
     env = os.environ.get("MESH_CPU_INT8")
     return env == "1" if env in ("0", "1") else isa() is not None
-
-
-def _clang(device: str) -> bool:
-    """Whether `device` renders C for clang (the kernels here are C text): not the LLVM IR or X86 renderers that a
-    DEV such as CPU:LLVM or CPU:X86 picks (where they take the f32 path)."""
-    from tinygrad import Device
-    return type(Device[device].renderer).__name__ == "ClangRenderer"
 
 
 def _isa() -> str:
