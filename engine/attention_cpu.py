@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
-from .c_kernels import custom, renders_c
+from .c_kernels import custom, load16f, renders_c
 from .cpu_runner import core_index, cpu_threads
 
 F32 = dtypes.float32
@@ -65,12 +65,6 @@ def _exp2(x: str) -> str:
             f"const float u = !(a < 128.0f) ? __builtin_inff() : ({expr} * __builtin_bit_cast(float, (int)((k2 + 127) "
             f"<< 23)) * __builtin_bit_cast(float, (int)(((k - k2) + 127) << 23))); "
             f"const float e = nan ? __builtin_nanf(\"\") : (a < -150.0f ? 0.0f : u);")
-
-
-def _load16(dst: str, src: str, half: bool) -> str:
-    if half:
-        return f"v16f {dst}; {{ v16h t_; __builtin_memcpy(&t_, {src}, 32); {dst} = __builtin_convertvector(t_, v16f); }}"
-    return f"v16f {dst}; __builtin_memcpy(&{dst}, {src}, 64);"
 
 
 def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag: str):
@@ -114,7 +108,7 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
       v16f acc[{G}];
       for (int h = 0; h < {G}; h++) acc[h] = (v16f){{}};
       for (int d = 0; d < {Hd}; d++) {{
-        {_load16("k", f"kb + d * {VEC}", half)}
+        {load16f("k", f"kb + d * {VEC}", half)}
         for (int h = 0; h < {G}; h++) acc[h] = acc[h] + qc[h * {Hd} + d] * k;
       }}
       const int m = n - tb * 16 < 16 ? n - tb * 16 : 16;
@@ -136,7 +130,7 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
       for (int t = 0; t < n; t++) {{
         const {KT}* vr = @5 + ({blk.format(t="t >> 4")} * 16 + (t & 15)) * {W} + g * {Hd} + dc;
         for (int j = 0; j < {DC // VEC}; j++) {{
-          {_load16("v", f"vr + j * {VEC}", half)}
+          {load16f("v", f"vr + j * {VEC}", half)}
           for (int h = 0; h < {G}; h++) {{ const v16f pv_ = pc[h * {MC} + t] * v; acc[h][j] = acc[h][j] + pv_; }}
         }}
       }}

@@ -36,3 +36,12 @@ def custom(code: str, core: UOp, writes: list[tuple[UOp, tuple[UOp | int, ...]]]
     loads = [buf[(0,) * len(buf.shape)] for buf in reads]
     srcs = (*[b.base for b, _ in writes], core, *[b.base for b in reads], *values, *marks, *loads)
     return UOp(Ops.CUSTOM, dtypes.void, srcs, arg=c_format(code))
+
+
+def load16f(dst: str, src: str, half: bool) -> str:
+    """C declaring the 16-float vector `dst` (a `v16f`) loaded from the pointer expression `src`: 16 floats, or with
+    `half` 16 float16 values (a `v16h`) converted in one vector instruction (vcvtph2ps where the CPU has it; clang
+    turns a loop of `(float)h[l]` into 16 scalar conversions and inserts)."""
+    if half:
+        return f"v16f {dst}; {{ v16h t_; __builtin_memcpy(&t_, {src}, 32); {dst} = __builtin_convertvector(t_, v16f); }}"
+    return f"v16f {dst}; __builtin_memcpy(&{dst}, {src}, 64);"

@@ -51,7 +51,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
 from . import cpu_kernels
-from .c_kernels import custom, renders_c
+from .c_kernels import custom, load16f, renders_c
 from .cpu_runner import core_index, cpu_threads
 from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
@@ -219,12 +219,9 @@ def _unit(acc: str, s: str, scale: str, dx: str, xs: str, offset: str | None) ->
 
 
 def _halfs(names: list[str]) -> str:
-    """Declares the v16f `names` as the block's float16 fields 0, 1, ... (`h`, 16 rows each), each converted in one
-    vector instruction (vcvtph2ps): clang turns a loop of `(float)h[l]` into 16 scalar conversions and inserts, which
-    took ~38% of the 8-column Q4_1 kernel's time."""
-    return ", ".join(names) + "; " + " ".join(
-        f"{{ v16h t; __builtin_memcpy(&t, h + {16 * i}, 32); {n} = __builtin_convertvector(t, v16f); }}"
-        for i, n in enumerate(names))
+    """Declares the v16f `names` as the block's float16 fields 0, 1, ... (`h`, 16 rows each), one vector conversion
+    each: the scalar conversions clang made of a loop took ~38% of the 8-column Q4_1 kernel's time."""
+    return " ".join(load16f(n, f"h + {16 * i}", half=True) for i, n in enumerate(names))
 
 
 def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
@@ -237,7 +234,7 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
     if kind == "q6_k":  # 8 units of 2 sub-blocks of 16, each with an int8 scale; ggml's order of the 6-bit values
         # (engine/quant.py `_q6_k`): unit u = 4 n + k takes the low 4 bits from nibble k >> 1 of bytes 64 n + 32 (k & 1)
         # + t and the high 2 from bits 2 k of bytes 128 + 32 n + t, t = 0..31; value - 32
-        head = f"v16f {_halfs(['d'])} v16i sc[16];\n      " + " ".join(
+        head = f"{_halfs(['d'])} v16i sc[16];\n      " + " ".join(
             f"{{ v16sc t; __builtin_memcpy(&t, r + {(192 + k) * 16}, 16); sc[{k}] = __builtin_convertvector(t, v16i); }}"
             for k in range(16))
         units = []
@@ -273,7 +270,7 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
         # the 6-bit scales and mins as ggml packs them in the first 12 bytes, 16 rows a vector
         sc = [f"B[{k}] & 63" if k < 4 else f"(B[{k + 4}] & 15) | ((B[{k - 4}] >> 6) << 4)" for k in range(8)]
         mn = [f"B[{k + 4}] & 63" if k < 4 else f"(B[{k + 4}] >> 4) | ((B[{k}] >> 6) << 4)" for k in range(8)]
-        head = f"v16f {_halfs(['d', 'dmin'])} v16f dsc[8], dm[8]; v16i B[12];\n      " + " ".join(
+        head = f"{_halfs(['d', 'dmin'])} v16f dsc[8], dm[8]; v16i B[12];\n      " + " ".join(
             f"{{ v16u t; __builtin_memcpy(&t, r + {16 * k}, 16); B[{k}] = __builtin_convertvector(t, v16i); }}"
             for k in range(12)) + "\n      " + " ".join(
             f"dsc[{k}] = d * __builtin_convertvector({sc[k]}, v16f); dm[{k}] = -(dmin * __builtin_convertvector("
@@ -303,7 +300,7 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
       }} }}""")
         return head + "\n      " + "\n      ".join(chunk)
     # one unit a block: Q4_0 / Q4_1 (16 bytes: values j and 16 + j in byte j's nibbles), Q8_0 (32 signed bytes)
-    head = f"v16f {_halfs(['dw', 'mw'] if nh == 2 else ['dw'])}"
+    head = _halfs(['dw', 'mw'] if nh == 2 else ['dw'])
     five = kind in ("q5_0", "q5_1")  # 4 bytes of fifth bits (bit j: value j), then Q4's 16 bytes of nibbles
     if fast and five:  # a lane's 4 bytes of fifth bits are its 32-bit word H; bits 4i..4i+3 go to bit 4 of each byte
         spread = lambda sh: (f"(((H >> {sh}) & 1) << 4) | (((H >> {sh}) & 2) << 11) | (((H >> {sh}) & 4) << 18) | "

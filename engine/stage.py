@@ -271,7 +271,7 @@ class Stage:
         """Load layers [start, end) of the GGUF at `path`; the first stage also holds the embeddings, the last
         the final norm and output head (the embeddings again when the output is tied). `kv_blocks`: the KV pool's
         blocks of BLOCK_SIZE positions per layer (default: enough for every slot at max_context). `kv_dtype`: the
-        KV pools' type, "f32" or "f16" (default: $MESH_KV_DTYPE, else `default_kv_dtype()`)."""
+        KV pools' type, "f32" or "f16" (default: `default_kv_dtype()`)."""
         kv_dtype = kv_dtype or default_kv_dtype()
         g = read_gguf(path)
         meta = meta_from_gguf(g)
