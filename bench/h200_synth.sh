@@ -91,6 +91,11 @@
 #                              tc kernels left out by name, then the 16-column step's own time
 #   bench/h200_synth.sh s13b   a fresh machine: serve_bench local 1,16 on 1.1b-Q8_0 (tc), rounds alternating with and
 #                              without $S13B_AB (default MESH_GPU_TC_WARPS=2048), then tests/test_matvec_tc.py on CUDA
+#   bench/h200_synth.sh s14    a fresh machine: the tc matvec's blocks U a loop step (MESH_GPU_TC_UNROLL) and the split
+#                              attention's skipped chunks (MESH_GPU_ATTN_SKIP): bits on CUDA, the 1.1B matrices at 16 and
+#                              1 columns for U = 1, 2, 4, ncu --set full of gate_up at 16 columns, decode_ab of U
+#   bench/h200_synth.sh s14b   a fresh machine: the serving-like 16-column step for MESH_GPU_ATTN_SKIP in $S14B_SKIPS,
+#                              then serve_bench local 1,16 with and without $S14B_AB, rounds alternating
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -105,7 +110,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -930,6 +935,53 @@ s12f)  # tenth session, the last tree: the GPU's tests and 16 streams once more
   l=$(lim 170); [ "$l" -gt 60 ] && { echo "== serve_bench local 1,16 (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local 2>&1 \
       | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s14)  # fifteenth session (issue 11): a warp's blocks taken U a loop step (MESH_GPU_TC_UNROLL: their loads issued
+  # together; the same sums) and the split attention's chunks past a column's position not loaded (MESH_GPU_ATTN_SKIP):
+  # bits on CUDA, the matrices alone at 16 and 1 columns for U = 1, 2, 4, ncu's full set on one 16-column matrix (what
+  # bounds it), then decode_ab of U at 16 columns
+  { date -u; nproc; uptime; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 150); echo "== tests on CUDA: the unroll, the warps, a column alone, the split attention (limit ${l}s)"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
+    -k "loop_step or warps or alone" tests/test_attention_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -8 \
+    | tee "$OUT/pytest_cuda.txt"
+  for run in 16:8:512:1,8:512:2,8:512:4 1:8:2048:1,8:2048:2,8:2048:4; do
+    n=${run%%:*}; lays=${run#*:}
+    l=$(lim 150); [ "$l" -gt 60 ] || { echo "skip matvec_bench n=$n: no time"; continue; }
+    echo "== matvec_bench --shape 1.1b --n $n --types Q8_0 --tc --tc-layouts $lays (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape 1.1b --n $n --types Q8_0 --tc --reps 10 \
+      --tc-layouts $lays 2>&1 | grep -v Warning > "$OUT/mv_$n.txt"
+    sed -n '/^summary/,$p' "$OUT/mv_$n.txt" | tee -a "$OUT/matvec_tc.txt"
+  done
+  l=$(lim 120); [ "$l" -gt 50 ] && { echo "== ncu --set full, gate_up at 16 columns, U=1 (limit ${l}s)"
+    JIT=0 DEV=CUDA timeout $l ncu --kernel-name regex:mvtc --launch-count 1 --set full python3 bench/matvec_bench.py \
+      --shape 1.1b --n 16 --types Q8_0 --mats gate_up --tc --reps 1 --tc-layouts 8:512:1 > "$OUT/ncu_gate_up.txt" 2>&1
+    grep -v "^==PROF==\|Warning" "$OUT/ncu_gate_up.txt" | sed -n '/mvtc/,$p' | head -150; }
+  l=$(lim 200); [ "$l" -gt 80 ] && { echo "== decode_ab 16 columns at 128, U = 1, 2 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch 16 --positions 128 \
+      --rounds 3 --steps 20 --greedy --variant u1=MESH_GPU_TC_UNROLL=1 --variant u2=MESH_GPU_TC_UNROLL=2 2>&1 \
+      | grep -v Warning | tee -a "$OUT/ab.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s14b)  # fifteenth session (issue 11): the serving-like 16-column step with and without the attention's skip, then
+  # serve_bench 1,16 with and without $S14B_AB (rounds alternating in one command)
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for sk in ${S14B_SKIPS:-1 0 1}; do
+    l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile skip=$sk: no time"; continue; }
+    echo "== decode_profile 16 columns spread 8, MESH_GPU_ATTN_SKIP=$sk (limit ${l}s)"
+    MESH_GPU_ATTN_SKIP=$sk MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_profile.py \
+      --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+  done
+  l=$(lim 420); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      --rounds ${S14B_ROUNDS:-2} --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

@@ -50,8 +50,9 @@ def main() -> None:
     ap.add_argument("--wide", default="", help="comma list of MESH_GPU_MV_WIDE values, ':' for ','")
     ap.add_argument("--tc", action="store_true", help="also the tensor-core kernel (engine/matvec_gpu_tc.py, its own "
                     "layout; Q4_0/Q8_0, plain): its time against the first layout's, and both errors against float64")
-    ap.add_argument("--tc-layouts", default="", help="comma list of SPLIT:WARPS for the tensor-core kernel "
-                    "(MESH_GPU_TC_SPLIT, MESH_GPU_TC_WARPS: warps over a row's blocks, warps a grid keeps)")
+    ap.add_argument("--tc-layouts", default="", help="comma list of SPLIT:WARPS[:UNROLL] for the tensor-core kernel "
+                    "(MESH_GPU_TC_SPLIT, MESH_GPU_TC_WARPS, MESH_GPU_TC_UNROLL: warps over a row's blocks, warps a "
+                    "grid keeps, blocks a warp takes a loop step)")
     a = ap.parse_args()
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from gguf.quants import dequantize
@@ -131,7 +132,8 @@ def main() -> None:
                 rows_out.append(line)
             for tcl in (a.tc_layouts.split(",") if a.tc_layouts else [""]) if tcw else []:
                 if tcl:
-                    os.environ["MESH_GPU_TC_SPLIT"], os.environ["MESH_GPU_TC_WARPS"] = tcl.split(":")
+                    os.environ["MESH_GPU_TC_SPLIT"], os.environ["MESH_GPU_TC_WARPS"], *u = tcl.split(":")
+                    os.environ["MESH_GPU_TC_UNROLL"] = u[0] if u else "1"
                 line = _time_tc(tcw, Q[qt], x, want, a.reps, copies, dev, f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} "
                                 f"{nbytes / 1e6:8.1f} MB  tc{tcl:<8s} ", nbytes, a.n, first_us, first_err)
                 print(line, flush=True)

@@ -120,9 +120,10 @@ def main() -> None:
             name, src = kernel_source(qt, a.rows, a.cols, n, a.mode, a.tc)
             regs, text = sass(src)
             mix, _ = loop_mix(text)
-            if a.tc:  # a lane decodes 16 values a tile and block, R tiles (r<R> in the name); a column tile of 8
-                R = int(re.search(r"r(\d+)n\d+x?$", name).group(1))
-                vals, tot = 16 * R, sum(mix.values())
+            if a.tc:  # a lane decodes 16 values a tile and block, R tiles (r<R> in the name), U blocks a loop step
+                # (u<U>, MESH_GPU_TC_UNROLL); a column tile of 8
+                m = re.search(r"r(\d+)n\d+x?(?:u(\d+))?$", name)
+                vals, tot = 16 * int(m.group(1)) * int(m.group(2) or 1), sum(mix.values())
                 i = sum(v for k, v in mix.items() if k in INT)
                 f = sum(v for k, v in mix.items() if k in FP)
                 print(f"{qt} n={n} {name}: {regs}; loop {tot} instructions for {vals} values a lane: {tot / vals:.2f} a "

@@ -153,8 +153,9 @@ def stage_breakdown(directory: str, steps: list[tuple[float, float]]) -> tuple[l
 
 @asynccontextmanager
 async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...], times_dir: str,
-                 extra_env: dict[str, str]):
-    """A formed fleet of `peers` peer processes on loopback (`extra_env` in theirs); yields its pipeline."""
+                 extra_env: dict[str, str], gpus: tuple[str, ...] = ()):
+    """A formed fleet of `peers` peer processes on loopback (`extra_env` in theirs); yields its pipeline. With `gpus`,
+    peer i sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES), as peers on machines of their own would."""
     port = free_port()
     token = None if OPEN else secrets.token_urlsafe(24)     # sealed links, as a fleet runs them (--open: not)
     cfg = CoordConfig(model=model, listen=f"127.0.0.1:{port}", min_peers=peers, settle=0.3, chain=chain,
@@ -180,7 +181,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
                 with open(logs[i], "wb") as err:   # kept: a peer that dies at start is shown, not waited for
                     procs.append(subprocess.Popen(
                         [sys.executable, "-m", "mesh", "peer", "--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0",
-                         "--model", str(model), *([] if token else ["--insecure-open"])], cwd=ROOT, env=env,
+                         "--model", str(model), *([] if token else ["--insecure-open"])], cwd=ROOT,
+                        env=dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if gpus else env,
                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
             watching = trio.CancelScope()
 
@@ -280,16 +282,20 @@ async def main() -> None:
                     help="also run each configuration with VAR=VALUE in its peers' environment, in the same lockstep "
                          "rounds (base, mesh, mesh with VAR): an A/B of one change on a shared machine; "
                          "MESH_RAW_STEP=0,MESH_HOT_WAIT=0 runs the peers' hot path as before the sixth session")
+    ap.add_argument("--gpus", default="", help="comma list of GPU indices: peer i sees only the i-th (modulo), "
+                    "CUDA_VISIBLE_DEVICES; the unsharded engine keeps this process's (e.g. --gpus 1,2,3 on a 4-GPU "
+                    "host: every stage and the unsharded engine on a GPU of its own)")
     ap.add_argument("--open", action="store_true", help="open fleet (no token): links sealed with keys from the key "
                                                        "exchange alone; the default is a token, as `mesh-coord` makes")
     args = ap.parse_args()
     global OPEN
     OPEN = args.open
     model = args.model or default_model_path()
+    gpus = tuple(g for g in args.gpus.split(",") if g)
     tok = Tokenizer.from_gguf(model)
     ids = tok.encode(PROMPT)
     print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}, "
-          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
+          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}" + (f", peers on GPUs {','.join(gpus)}" if gpus else ""))
     rows = [(f"mesh, {k} peer{'s' * (k > 1)}", k, ()) for k in map(int, args.peers.split(","))]
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))
@@ -305,7 +311,7 @@ async def main() -> None:
         for name, k, rtc in rows:
             dirs = [tempfile.mkdtemp(prefix="mesh-stage-times-") for _ in variants]
             async with AsyncExitStack() as fleets:
-                pipes = [await fleets.enter_async_context(meshed(model, k, args.chain, rtc, d, env))
+                pipes = [await fleets.enter_async_context(meshed(model, k, args.chain, rtc, d, env, gpus))
                          for d, (_, env) in zip(dirs, variants)]
                 same = [await warm_up(p, ids, args.tokens) == ref for p in pipes]
                 rounds: list[list[tuple]] = [[] for _ in pipes]

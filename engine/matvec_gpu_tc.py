@@ -175,6 +175,16 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
 SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
 
 
+def tc_unroll(steps: int, n: int) -> int:
+    """Blocks a warp takes a loop step (MESH_GPU_TC_UNROLL, default UNROLL): the most of 1, 2, 4 up to it that divide
+    the warp's `steps` blocks. n, the columns, is for a default that may come to differ by width."""
+    most = int(os.environ.get("MESH_GPU_TC_UNROLL", UNROLL))
+    return max(u for u in (1, 2, 4) if u <= most and steps % u == 0)
+
+
+UNROLL = 1
+
+
 def shared_split(n: int, cols: int, S: int, R: int, extra: int = 0) -> bool:
     """Whether the x pieces of n columns fit shared memory beside the partials and `extra` bytes (3 bf16 a value):
     one column of up to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
@@ -276,8 +286,12 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         def column(local: UOp, bound: int) -> UOp:  # column `local` of this group, a column past N repeating N - 1
             n = local if gn is None else gn * group + local
             return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
-        bi = UOp.range(nb // S, 4, AxisType.REDUCE)
-        b = bi * S + s if S > 1 else bi
+        U = tc_unroll(nb // S, NC)
+        bi = UOp.range(nb // S // U, 4, AxisType.REDUCE)
+        # U blocks a loop step, in the warp's order (blocks s, s + S, ...): their loads are issued together, so a
+        # warp waits for memory once a step, not once a block; the sums are the same, in the same order
+        bs = [((bi * U + u) * S + s if S > 1 else bi * U + u) if U > 1 else (bi * S + s if S > 1 else bi)
+              for u in range(U)]
         lane = tid % 32
         # the B values of this lane, column n = nt * 8 + g of each column tile (a column past N repeats N - 1:
         # the same operations on the same values, so the same bits where it lands)
@@ -310,10 +324,10 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                 ssp = ssp.after(split.end(nr) if N > 1 else split)
             split = split.end(nr) if N > 1 else split
             xs = xs.after(split)
-            bvec = [[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
-                     for m in range(2)] for n in cols]
-        else:
-            bvec = [[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols]  # [m][j][piece]
+            bvecs = [[[[[xs[p * total + n * C + b * 32 + c * 8 + m * 4 + j] for p in range(3)] for j in range(4)]
+                       for m in range(2)] for n in cols] for b in bs]
+        else:  # [u][nt][m][j][piece]
+            bvecs = [[[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols] for b in bs]
         accs = []
         for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
             a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
@@ -321,20 +335,27 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         stores = []
         for r in range(R):
             t = tg * R + r
-            wds = [words[t, b, lane, k] for k in range(LW)]
-            A = _decode(ggml_type, wds, magic)
-            avec = [UOp.stack(A[m][0][0], A[m][0][1], A[m][1][0], A[m][1][1],
-                              A[m][0][2], A[m][0][3], A[m][1][2], A[m][1][3]) for m in range(2)]
-            d = [scales[t, b, g, h].cast(F32) for h in range(2)]
+            wds = [[words[t, b, lane, k] for k in range(LW)] for b in bs]  # every block's loads before any use
+            ds = [[scales[t, b, g, h].cast(F32) for h in range(2)] for b in bs]
+            parts = [[None] * NT for _ in bs]
+            for u, bvec in enumerate(bvecs):
+                A = _decode(ggml_type, wds[u], magic)
+                avec = [UOp.stack(A[m][0][0], A[m][0][1], A[m][1][0], A[m][1][1],
+                                  A[m][0][2], A[m][0][3], A[m][1][2], A[m][1][3]) for m in range(2)]
+                for nt in range(NT):
+                    part = UOp.const((0.0,) * 4, F32)
+                    for p in range(3):  # lo, mid, hi: the smallest first
+                        for m in range(2):
+                            bv = UOp.stack(*[bvec[nt][m][j][p] for j in range(4)])
+                            part = UOp.wmma(avec[m], bv, part, (8, 16, 16), "CUDA", 32)
+                    parts[u][nt] = part
             for nt in range(NT):
                 acc = accs[r * NT + nt]
-                part = UOp.const((0.0,) * 4, F32)
-                for p in range(3):  # lo, mid, hi: the smallest first
-                    for m in range(2):
-                        bv = UOp.stack(*[bvec[nt][m][j][p] for j in range(4)])
-                        part = UOp.wmma(avec[m], bv, part, (8, 16, 16), "CUDA", 32)
                 for i in range(4):
-                    stores.append(acc[i].store(acc.after(bi)[i] + d[i // 2] * part.index(UOp.const(i, dtypes.int))))
+                    v = acc.after(bi)[i]
+                    for u in range(len(bs)):  # acc += d * partial, block after block
+                        v = v + ds[u][i // 2] * parts[u][nt].index(UOp.const(i, dtypes.int))
+                    stores.append(acc[i].store(v))
         step = UOp.group(*stores).end(bi)
         # the S partials of each output through shared memory: smem[s, row in the R tiles, column of the NT tiles]
         RR, CC = 16 * R, 8 * NT
@@ -377,7 +398,8 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         st = out[col, tg * RR + row].store(y)
         st = st.end(kk) if K > 1 else st
         fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
-        return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else ""),
+        return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else "")
+                                      + (f"u{U}" if U > 1 else ""),
                                                       opts_to_apply=()))
     return kernel
 

@@ -87,6 +87,22 @@ def test_a_column_gets_the_same_bits_next_to_any_others():
     assert np.array_equal(alone[0], crowd[1])
 
 
+def test_chunks_past_a_columns_position_load_nothing_and_change_no_bits(monkeypatch):
+    """The part kernel skips the key and value loads of a chunk wholly past its column's position (a short column
+    beside long ones); such a chunk gives m = -inf, l = 0, o = 0 either way. The same bits with the loads
+    (MESH_GPU_ATTN_SKIP=0), and the trash block's NaNs never leak."""
+    H, KvH, Hd = 4, 2, 32
+    q, pk, pv, table = data(H, KvH, Hd, 4, seed=3)
+    runs = [(1, 100, 1), (0, 5, 1), (2, 40, 2)]  # 4 chunks: column 1 has 3 past its position, columns 2-3 two
+    got = {}
+    for skip in ("1", "0"):
+        monkeypatch.setenv("MESH_GPU_ATTN_SKIP", skip)
+        got[skip] = attend(q, pk, pv, table, runs, H, KvH, Hd)
+    assert np.array_equal(got["1"], got["0"])
+    assert np.isfinite(got["1"]).all()
+    np.testing.assert_allclose(got["1"], reference(q, pk, pv, table, runs, H, KvH, Hd), rtol=1e-4, atol=1e-5)
+
+
 def test_the_same_bits_when_the_context_is_one_chunk():
     """max_context <= CH: the chunk index is the constant 0, so for a step of one run `t <= pos` is provably true at
     t = 0 and tinygrad folds that mask away; beside another run (pos is then a where over the runs) it cannot. A

@@ -132,6 +132,28 @@ def test_the_warps_a_grid_keeps_change_no_bits(monkeypatch, qtype, rows, cols, n
     np.testing.assert_array_equal(got["1"], got["4096"])
 
 
+@pytest.mark.parametrize("qtype,rows,cols,n,fused", [("Q8_0", 32, 256, 16, "norm"), ("Q4_0", 32, 256, 3, "res"),
+                                                      ("Q4_0", 32, 128, 1, "")])
+def test_blocks_taken_several_a_loop_step_change_no_bits(monkeypatch, qtype, rows, cols, n, fused):
+    """MESH_GPU_TC_UNROLL: a warp's blocks taken 2 or 4 a loop step (their loads issued together) are added in the
+    same order, so every output keeps its bits, in both ways x reaches the MMAs (shared memory under 8 columns,
+    registers at 8+) and with the fused norm and residual."""
+    from engine.matvec_gpu_tc import tc_unroll
+    raw = _any_quants(qtype, rows, cols)
+    w = _weight(raw, qtype)
+    x = np.random.default_rng(8).standard_normal((n, cols)).astype(np.float32)
+    kw = {"norm": (Tensor(np.linspace(-1, 1, cols, dtype=np.float32), device=DEV), 1e-5)} if fused == "norm" else \
+        {"residual": Tensor(np.arange(n * rows, dtype=np.float32).reshape(n, rows), device=DEV)} if fused else {}
+    monkeypatch.setenv("MESH_GPU_TC_SPLIT", "2")  # 8 or 4 blocks a row: 4 or 2 a warp
+    got = {}
+    for u in ("1", "2", "4"):
+        monkeypatch.setenv("MESH_GPU_TC_UNROLL", u)
+        got[u] = _run(w, qtype, x, **kw)
+    assert tc_unroll(cols // 32 // 2, n) == min(4, cols // 64)
+    np.testing.assert_array_equal(got["2"], got["1"])
+    np.testing.assert_array_equal(got["4"], got["1"])
+
+
 def test_the_order_of_sums_is_the_matrixs():
     """S (warps over a row's blocks: the order of the sums) comes from the matrix alone; R (tiles a warp) shrinks
     with the columns and the warps a grid needs, and changes no sum."""
