@@ -96,6 +96,8 @@
 #                              1 columns for U = 1, 2, 4, ncu --set full of gate_up at 16 columns, decode_ab of U
 #   bench/h200_synth.sh s14b   a fresh machine: the serving-like 16-column step for MESH_GPU_ATTN_SKIP in $S14B_SKIPS,
 #                              then serve_bench local 1,16 with and without $S14B_AB, rounds alternating
+#   bench/h200_synth.sh s14c   a fresh machine: the matrices alone for $S14C_MV16 / $S14C_MV1, ncu of gate_up, decode_ab
+#                              of $S14C_VARIANTS at 16 and 1 column, the serving-like step with the attention's skip on/off
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -110,7 +112,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -982,6 +984,41 @@ s14b)  # fifteenth session (issue 11): the serving-like 16-column step with and 
   l=$(lim 420); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
       --rounds ${S14B_ROUNDS:-2} --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s14c)  # fifteenth session (issue 11), after s14: the tc kernel's partials padded in shared memory (no bank conflicts),
+  # the matrices alone at 16 and 1 columns for SPLIT:WARPS:UNROLL in $S14C_MV16 / $S14C_MV1, ncu of gate_up again,
+  # decode_ab of $S14C_VARIANTS at 16 and at 1 column, the serving-like step with the attention's skip on and off
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for run in 16:${S14C_MV16:-8:512:1,8:512:2,16:512:1} 1:${S14C_MV1:-8:2048:1,16:2048:1}; do
+    n=${run%%:*}; lays=${run#*:}
+    l=$(lim 120); [ "$l" -gt 60 ] || { echo "skip matvec_bench n=$n: no time"; continue; }
+    echo "== matvec_bench --shape 1.1b --n $n --types Q8_0 --tc --tc-layouts $lays (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape 1.1b --n $n --types Q8_0 --tc --reps 10 \
+      --tc-layouts $lays 2>&1 | grep -v Warning > "$OUT/mv_$n.txt"
+    sed -n '/^summary/,$p' "$OUT/mv_$n.txt" | grep tc | tee -a "$OUT/matvec_tc.txt"
+  done
+  l=$(lim 90); [ "$l" -gt 40 ] && { echo "== ncu --set full, gate_up at 16 columns, padded (limit ${l}s)"
+    JIT=0 DEV=CUDA timeout $l ncu --kernel-name regex:mvtc --launch-count 1 --set full python3 bench/matvec_bench.py \
+      --shape 1.1b --n 16 --types Q8_0 --mats gate_up --tc --reps 1 --tc-layouts 8:512:1 > "$OUT/ncu_gate_up.txt" 2>&1
+    grep -i "duration\|bank\|eligible\|issue slots\|waves\|Registers Per\|Achieved Occ\|Theoretical Occ" "$OUT/ncu_gate_up.txt"; }
+  V="${S14C_VARIANTS:-u1=MESH_GPU_TC_UNROLL=1 u2=MESH_GPU_TC_UNROLL=2 s16=MESH_GPU_TC_SPLIT=16 s16u2=MESH_GPU_TC_SPLIT=16;MESH_GPU_TC_UNROLL=2}"
+  for b in 16 1; do
+    l=$(lim 150); [ "$l" -gt 60 ] || { echo "skip decode_ab batch $b: no time"; continue; }
+    echo "== decode_ab $b columns at 128: $V (limit ${l}s)"
+    args=(); for v in $V; do args+=(--variant "$v"); done
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch $b --positions 128 \
+      --rounds 3 --steps 20 --greedy "${args[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  for sk in 1 0; do
+    l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile skip=$sk: no time"; continue; }
+    echo "== decode_profile 16 columns spread 8, MESH_GPU_ATTN_SKIP=$sk (limit ${l}s)"
+    MESH_GPU_ATTN_SKIP=$sk MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_profile.py \
+      --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+  done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 esac

@@ -164,7 +164,7 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
     extra = n * (32 * S + 16 + 1) * 4 if norm else 0  # the squares' partials, their 16 sums and 1 / rms a column
-    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * 8 * nt * 4 + extra <= SHARED_BYTES
+    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * (8 * nt + 1) * 4 + extra <= SHARED_BYTES
             and (tiles // d * S >= warps or d == 1)]
     shared = [d for d in fits if shared_split(n, nb * 32, S, d, extra)]
     if not fits:  # n columns' partials do not fit: the caller takes fewer columns a thread block
@@ -188,7 +188,7 @@ UNROLL = 1
 def shared_split(n: int, cols: int, S: int, R: int, extra: int = 0) -> bool:
     """Whether the x pieces of n columns fit shared memory beside the partials and `extra` bytes (3 bf16 a value):
     one column of up to ~7K values (every matrix of the 1.1B and 8B shapes but the 8B ffn_down)."""
-    return n < 8 and 6 * n * cols + S * 16 * R * 8 * 4 + extra <= SHARED_BYTES
+    return n < 8 and 6 * n * cols + S * 16 * R * 9 * 4 + extra <= SHARED_BYTES
 
 
 def _bf(word: UOp, high: bool) -> UOp:
@@ -358,15 +358,18 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                     stores.append(acc[i].store(v))
         step = UOp.group(*stores).end(bi)
         # the S partials of each output through shared memory: smem[s, row in the R tiles, column of the NT tiles]
+        # rows padded to CC + 1 words: the sum below reads consecutive rows in consecutive threads, which a stride of
+        # CC (16) words put in two banks (ncu: 16-way conflicts on every load, s14); the same values either way
         RR, CC = 16 * R, 8 * NT
-        smem = UOp.placeholder((S * RR * CC,), F32, 100, addrspace=AddrSpace.LOCAL)
+        CP = CC + 1
+        smem = UOp.placeholder((S * RR * CP,), F32, 100, addrspace=AddrSpace.LOCAL)
         parts = []
         for r in range(R):
             for nt in range(NT):
                 acc = accs[r * NT + nt].after(step)
                 for i in range(4):
                     row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
-                    parts.append(smem[(s * RR + row) * CC + col].store(acc[i]))
+                    parts.append(smem[(s * RR + row) * CP + col].store(acc[i]))
         parts = UOp.group(*parts)
         nthr = 32 * S
         if norm_w is not None and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
@@ -390,7 +393,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
         si = UOp.range(S, 6, AxisType.REDUCE)
         acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
-        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CC + lcol], end=si)[0]
+        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CP + lcol], end=si)[0]
         if norm_w is not None:
             y = y * _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]
         if res is not None:
