@@ -98,6 +98,8 @@
 #                              then serve_bench local 1,16 with and without $S14B_AB, rounds alternating
 #   bench/h200_synth.sh s14c   a fresh machine: the matrices alone for $S14C_MV16 / $S14C_MV1, ncu of gate_up, decode_ab
 #                              of $S14C_VARIANTS at 16 and 1 column, the serving-like step with the attention's skip on/off
+#   bench/h200_synth.sh s14d   a fresh machine: decode_ab of the tc kernel's SPLIT / GROUP / UNROLL at 16 and 1 column on
+#                              1.1b-Q8_0, then on 8b-Q4_0 (written meanwhile)
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -112,7 +114,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1018,6 +1020,30 @@ s14c)  # fifteenth session (issue 11), after s14: the tc kernel's partials padde
     echo "== decode_profile 16 columns spread 8, MESH_GPU_ATTN_SKIP=$sk (limit ${l}s)"
     MESH_GPU_ATTN_SKIP=$sk MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_profile.py \
       --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s14d)  # fifteenth session (issue 11), after s14c: decode_ab of the tc kernel's split (S), columns a thread block (GROUP)
+  # and unroll (U) at 16 and 1 column on 1.1b-Q8_0 ($S14D_V16, $S14D_V1), then on 8b-Q4_0 ($S14D_V8B at 16 and 1)
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  ( [ -f $M/.8b-Q4_0 ] || { python3 bench/synth_gguf.py $M/8b-Q4_0.gguf --shape 8b --type Q4_0 > "$OUT/synth8.txt" 2>&1;
+    touch $M/.8b-Q4_0; } ) &
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  ab() {  # ab <file> <batch> <limit> <variants...>
+    local f=$1 b=$2 l; l=$(lim $3); shift 3
+    [ "$l" -gt 60 ] || { echo "skip decode_ab $f batch $b: no time"; return; }
+    echo "== decode_ab $f $b columns at 128: $* (limit ${l}s)"
+    local args=(); for v in "$@"; do args+=(--variant "$v"); done
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$f.gguf --batch $b --positions 128 \
+      --rounds 3 --steps 20 --greedy "${args[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  }
+  ab $F 16 130 ${S14D_V16:-base= s16=MESH_GPU_TC_SPLIT=16 g8=MESH_GPU_TC_GROUP=8 g8u2=MESH_GPU_TC_GROUP=8;MESH_GPU_TC_UNROLL=2 s16g8=MESH_GPU_TC_SPLIT=16;MESH_GPU_TC_GROUP=8}
+  ab $F 1 110 ${S14D_V1:-base= u2=MESH_GPU_TC_UNROLL=2 s16=MESH_GPU_TC_SPLIT=16 s16u2=MESH_GPU_TC_SPLIT=16;MESH_GPU_TC_UNROLL=2}
+  wait
+  for b in 16 1; do
+    ab 8b-Q4_0 $b 150 ${S14D_V8B:-base= s16=MESH_GPU_TC_SPLIT=16 g8=MESH_GPU_TC_GROUP=8 u2=MESH_GPU_TC_UNROLL=2}
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;

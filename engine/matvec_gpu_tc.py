@@ -270,7 +270,9 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         # column groups of at most GROUP columns, a grid dimension (a prefill chunk: more columns than registers
         # for their pieces and accumulators); a column's operations do not depend on its group
         # (fewer than GROUP when their partials and a norm's sums do not fit shared memory: the 8B ffn_down's 16 warps)
-        group = next(gc for gc in (GROUP, 8, 4, 2, 1) if tc_layout(T, nb, min(N, gc), norm_w is not None) is not None)
+        most = int(os.environ.get("MESH_GPU_TC_GROUP", GROUP))
+        group = next(gc for gc in (16, 8, 4, 2, 1) if gc <= most and tc_layout(T, nb, min(N, gc), norm_w is not None)
+                     is not None)
         NG, NC = -(-N // group), min(N, group)
         S, R, shared = tc_layout(T, nb, NC, norm_w is not None)
         NT = -(-NC // 8)
