@@ -32,8 +32,8 @@ def ab_trees(root: Path, base: str | None, ab_env: str | None, prefix: str) -> I
             subprocess.call(["git", "-C", str(root), "worktree", "remove", "--force", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     elif ab_env:
-        var, _, val = ab_env.partition("=")
-        yield {ab_env: (root, {var: val}), "this": (root, {})}
+        # VAR=VALUE, or several: A=1,B=0
+        yield {ab_env: (root, dict(kv.partition("=")[::2] for kv in ab_env.split(","))), "this": (root, {})}
     else:
         yield {"this": (root, {})}
 

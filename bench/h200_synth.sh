@@ -94,8 +94,8 @@
 #   bench/h200_synth.sh s14    a fresh machine: the tc matvec's blocks U a loop step (MESH_GPU_TC_UNROLL) and the split
 #                              attention's skipped chunks (MESH_GPU_ATTN_SKIP): bits on CUDA, the 1.1B matrices at 16 and
 #                              1 columns for U = 1, 2, 4, ncu --set full of gate_up at 16 columns, decode_ab of U
-#   bench/h200_synth.sh s14b   a fresh machine: the serving-like 16-column step for MESH_GPU_ATTN_SKIP in $S14B_SKIPS,
-#                              then serve_bench local 1,16 with and without $S14B_AB, rounds alternating
+#   bench/h200_synth.sh s14b   a fresh machine: serve_bench local 1,16 with and without $S14B_AB, rounds alternating, then
+#                              the serving-like 16-column step for MESH_GPU_ATTN_SKIP in $S14B_SKIPS, the tests on CUDA
 #   bench/h200_synth.sh s14c   a fresh machine: the matrices alone for $S14C_MV16 / $S14C_MV1, ncu of gate_up, decode_ab
 #                              of $S14C_VARIANTS at 16 and 1 column, the serving-like step with the attention's skip on/off
 #   bench/h200_synth.sh s14d   a fresh machine: decode_ab of the tc kernel's SPLIT / GROUP / UNROLL at 16 and 1 column on
@@ -971,21 +971,24 @@ s14)  # fifteenth session (issue 11): a warp's blocks taken U a loop step (MESH_
       | grep -v Warning | tee -a "$OUT/ab.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
-s14b)  # fifteenth session (issue 11): the serving-like 16-column step with and without the attention's skip, then
-  # serve_bench 1,16 with and without $S14B_AB (rounds alternating in one command)
+s14b)  # fifteenth session (issue 11): serve_bench 1,16 with and without $S14B_AB (rounds alternating in one command),
+  # then the serving-like 16-column step for MESH_GPU_ATTN_SKIP in $S14B_SKIPS, then the tc and attention tests on CUDA
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
   [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  for sk in ${S14B_SKIPS:-1 0 1}; do
-    l=$(lim 100); [ "$l" -gt 40 ] || { echo "skip decode_profile skip=$sk: no time"; continue; }
+  l=$(lim 360); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      --rounds ${S14B_ROUNDS:-2} --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  for sk in ${S14B_SKIPS:-0 1}; do
+    l=$(lim 90); [ "$l" -gt 40 ] || { echo "skip decode_profile skip=$sk: no time"; continue; }
     echo "== decode_profile 16 columns spread 8, MESH_GPU_ATTN_SKIP=$sk (limit ${l}s)"
     MESH_GPU_ATTN_SKIP=$sk MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_profile.py \
       --model $M/$F.gguf --batch 16 --steps 20 --pos 40 --spread 8 --ctx 512 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt"
   done
-  l=$(lim 420); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} (limit ${l}s)"
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
-      --rounds ${S14B_ROUNDS:-2} --ab-env ${S14B_AB:-MESH_GPU_ATTN_SKIP=0} 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  l=$(lim 150); [ "$l" -gt 40 ] && { echo "== tests on CUDA: tc matvec, split attention (limit ${l}s)"
+    DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_tc.py \
+      tests/test_attention_gpu.py 2>&1 | grep -v "Warning\|warn" | tail -8 | tee "$OUT/pytest_cuda.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s14c)  # fifteenth session (issue 11), after s14: the tc kernel's partials padded in shared memory (no bank conflicts),

@@ -193,7 +193,7 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="every row this many times, alternating the order; prints medians and the per-round ratios")
     ap.add_argument("--base", default=None, help="git revision to run side by side with this tree, rounds alternating")
-    ap.add_argument("--ab-env", default=None, help="VAR=VALUE: this tree with and without it, rounds alternating")
+    ap.add_argument("--ab-env", default=None, help="VAR=VALUE[,VAR=VALUE]: this tree with and without them, rounds alternating")
     args = ap.parse_args()
     if args.base or args.ab_env:
         if "," in args.modes:

@@ -30,7 +30,9 @@ through f32 (bf16 has 7 mantissa bits, a byte needs 8): (byte ^ 0x80) | 2^23 bit
 Work split: a thread block is S warps over the blocks of a row (warp s takes blocks s, s + S, ...) and R tiles of
 16 rows; each warp keeps R x NT accumulator fragments (NT = ceil(N / 8) column tiles, at most 2: more columns are
 groups of 16 on the grid). The S partials of each output meet in shared memory and are added in order s = 0..S-1.
-S depends on the matrix only (rows, blocks). For fewer than 8 columns the thread block splits x into its pieces
+S depends on the matrix only (rows, blocks). A warp takes U of its blocks a loop step (`tc_unroll`: their words
+and scales loaded before any is used, then added block after block: the same sums in the same order), so it waits
+for memory once a step; with one to three warps a scheduler, that wait was most of a step. For fewer than 8 columns the thread block splits x into its pieces
 once, into shared memory, before the loop; otherwise each warp splits its blocks' x in registers for its R tiles.
 
 Who uses it: a stage decides at load (`tc_stage`): several KV slots on a GPU with CUDA's bf16 MMA -> this kernel for
@@ -182,7 +184,11 @@ def tc_unroll(steps: int, n: int) -> int:
     return max(u for u in (1, 2, 4) if u <= most and steps % u == 0)
 
 
-UNROLL = 1
+# 2 (fifteenth session, bench/RESULTS.md "Fifteenth session"): a warp waits for its blocks' words once a loop step,
+# not once a block. decode_ab on the H200, interleaved in one process: 1.1B Q8_0 one column 1.66 -> 1.31 ms, 16
+# columns 2.59 -> 2.37; 8B Q4_0 one column 4.96 -> 3.85, 16 columns 8.11 -> 7.49. SPLIT 16 helped the 1.1B shape at 16
+# columns and hurt the 8B; 8 columns a thread block did neither: both left as they were
+UNROLL = 2
 
 
 def shared_split(n: int, cols: int, S: int, R: int, extra: int = 0) -> bool:
