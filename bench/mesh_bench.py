@@ -295,7 +295,8 @@ async def main() -> None:
     tok = Tokenizer.from_gguf(model)
     ids = tok.encode(PROMPT)
     print(f"model {model.name}, prompt {len(ids)} tokens, {args.tokens} greedy tokens, chain {args.chain}, "
-          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}" + (f", peers on GPUs {','.join(gpus)}" if gpus else ""))
+          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}"
+          + (f", peers on GPUs {','.join(gpus)}" if gpus else ""))
     rows = [(f"mesh, {k} peer{'s' * (k > 1)}", k, ()) for k in map(int, args.peers.split(","))]
     if args.rtc_middle:
         rows.append(("mesh, 3 peers, hop 2 on WebRTC", 3, (2,)))

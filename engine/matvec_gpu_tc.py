@@ -32,8 +32,9 @@ Work split: a thread block is S warps over the blocks of a row (warp s takes blo
 groups of 16 on the grid). The S partials of each output meet in shared memory and are added in order s = 0..S-1.
 S depends on the matrix only (rows, blocks). A warp takes U of its blocks a loop step (`tc_unroll`: their words
 and scales loaded before any is used, then added block after block: the same sums in the same order), so it waits
-for memory once a step; with one to three warps a scheduler, that wait was most of a step. For fewer than 8 columns the thread block splits x into its pieces
-once, into shared memory, before the loop; otherwise each warp splits its blocks' x in registers for its R tiles.
+for memory once a step; with one to three warps a scheduler, that wait was most of a step. For fewer than 8 columns
+the thread block splits x into its pieces once, into shared memory, before the loop; otherwise each warp splits its
+blocks' x in registers for its R tiles.
 
 Who uses it: a stage decides at load (`tc_stage`): several KV slots on a GPU with CUDA's bf16 MMA -> this kernel for
 every weight it takes, at every batch size; one slot -> engine/matvec_gpu.py's (faster at one column on the H200).
@@ -177,9 +178,9 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
 SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
 
 
-def tc_unroll(steps: int, n: int) -> int:
+def tc_unroll(steps: int) -> int:
     """Blocks a warp takes a loop step (MESH_GPU_TC_UNROLL, default UNROLL): the most of 1, 2, 4 up to it that divide
-    the warp's `steps` blocks. n, the columns, is for a default that may come to differ by width."""
+    the warp's `steps` blocks."""
     most = int(os.environ.get("MESH_GPU_TC_UNROLL", UNROLL))
     return max(u for u in (1, 2, 4) if u <= most and steps % u == 0)
 
@@ -276,8 +277,8 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         # column groups of at most GROUP columns, a grid dimension (a prefill chunk: more columns than registers
         # for their pieces and accumulators); a column's operations do not depend on its group
         # (fewer than GROUP when their partials and a norm's sums do not fit shared memory: the 8B ffn_down's 16 warps)
-        most = int(os.environ.get("MESH_GPU_TC_GROUP", GROUP))
-        group = next(gc for gc in (16, 8, 4, 2, 1) if gc <= most and tc_layout(T, nb, min(N, gc), norm_w is not None)
+        most = int(os.environ.get("MESH_GPU_TC_GROUP", GROUP))  # fewer columns a block, for A/B runs
+        group = next(gc for gc in (GROUP, 8, 4, 2, 1) if gc <= most and tc_layout(T, nb, min(N, gc), norm_w is not None)
                      is not None)
         NG, NC = -(-N // group), min(N, group)
         S, R, shared = tc_layout(T, nb, NC, norm_w is not None)
@@ -294,12 +295,12 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         def column(local: UOp, bound: int) -> UOp:  # column `local` of this group, a column past N repeating N - 1
             n = local if gn is None else gn * group + local
             return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
-        U = tc_unroll(nb // S, NC)
+        U = tc_unroll(nb // S)
         bi = UOp.range(nb // S // U, 4, AxisType.REDUCE)
         # U blocks a loop step, in the warp's order (blocks s, s + S, ...): their loads are issued together, so a
         # warp waits for memory once a step, not once a block; the sums are the same, in the same order
-        bs = [((bi * U + u) * S + s if S > 1 else bi * U + u) if U > 1 else (bi * S + s if S > 1 else bi)
-              for u in range(U)]
+        ks = [bi * U + u for u in range(U)] if U > 1 else [bi]
+        bs = [k * S + s if S > 1 else k for k in ks]
         lane = tid % 32
         # the B values of this lane, column n = nt * 8 + g of each column tile (a column past N repeats N - 1:
         # the same operations on the same values, so the same bits where it lands)

@@ -149,7 +149,7 @@ def test_blocks_taken_several_a_loop_step_change_no_bits(monkeypatch, qtype, row
     for u in ("1", "2", "4"):
         monkeypatch.setenv("MESH_GPU_TC_UNROLL", u)
         got[u] = _run(w, qtype, x, **kw)
-    assert tc_unroll(cols // 32 // 2, n) == min(4, cols // 64)
+    assert tc_unroll(cols // 32 // 2) == min(4, cols // 64)
     np.testing.assert_array_equal(got["2"], got["1"])
     np.testing.assert_array_equal(got["4"], got["1"])
 
