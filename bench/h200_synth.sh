@@ -100,6 +100,8 @@
 #                              of $S14C_VARIANTS at 16 and 1 column, the serving-like step with the attention's skip on/off
 #   bench/h200_synth.sh s14d   a fresh machine: decode_ab of the tc kernel's SPLIT / GROUP / UNROLL at 16 and 1 column on
 #                              1.1b-Q8_0, then on 8b-Q4_0 (written meanwhile)
+#   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
+#                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
 #   echo /.snap/ >> .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap
 #   run: cd .snap && ln -sf ../.whl .whl && ln -sf ../.llama .llama && bash bench/h200_synth.sh final
@@ -114,7 +116,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1047,6 +1049,20 @@ s14d)  # fifteenth session (issue 11), after s14c: decode_ab of the tc kernel's 
   wait
   for b in 16 1; do
     ab 8b-Q4_0 $b 150 ${S14D_V8B:-base= s16=MESH_GPU_TC_SPLIT=16 g8=MESH_GPU_TC_GROUP=8 u2=MESH_GPU_TC_UNROLL=2}
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own
+  # (mesh_bench --gpus 1,2,3; the unsharded engine on GPU 0), then the same with all peers on one GPU, as before
+  { date -u; nproc; uptime; nvidia-smi -L; } 2>&1 | tee "$OUT/env.txt"
+  F=8b-Q4_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 8b --type Q4_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  for g in ${S15_GPUS:-1,2,3 none}; do
+    l=$(lim 280); [ "$l" -gt 120 ] || { echo "skip mesh_bench gpus $g: no time"; continue; }
+    echo "== mesh_bench $F 1,3 peers, gpus $g (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/$F.gguf --peers 1,3 --rounds ${ROUNDS:-2} --tokens 64 \
+      $([ "$g" = none ] || echo --gpus $g) 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
