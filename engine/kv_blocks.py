@@ -14,13 +14,30 @@ first: driven by the same steps, every stage then holds the same tables.
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Iterable
 
-from .errors import RangeError
+from .errors import EngineError, RangeError
 
 # positions per block: small enough that a sequence wastes at most 15 positions a layer, large enough that a table
 # stays short (2048 positions: 128 entries) and a block's rows are contiguous runs for the attention kernels
 BLOCK_SIZE = 16
+
+
+KV_BYTES = {"f16": 2, "f32": 4}  # the KV pools' types, by the bytes of one value
+
+
+def kv_type_for(device: str) -> str:
+    """The KV pools' type of a stage on `device` that is not told one: $MESH_KV_DTYPE (f16 or f32), else f16 on a CPU
+    device (as llama.cpp keeps its KV cache: half the memory and half the bytes attention reads from DRAM each step,
+    which bound the CPU's batched decode step; NOTES "KV in f16 on the CPU") and f32 on GPUs (not measured there).
+    Here, without tinygrad, because a peer reports the bytes of its KV values to the coordinator's planner (Info)."""
+    env = os.environ.get("MESH_KV_DTYPE")
+    if env:
+        if env not in KV_BYTES:
+            raise EngineError(f"MESH_KV_DTYPE={env!r}: expected f16 or f32")
+        return env
+    return "f16" if device.startswith("CPU") else "f32"
 
 
 class PoolFull(RangeError):

@@ -20,7 +20,7 @@ from .errors import EngineError, RangeError
 from .gguf_meta import ModelMeta, meta_from_gguf, read_gguf
 from .loader import (WEIGHT_MODES, EmbeddingTable, WeightMode, block_tensor_names, check_range, concat_rows,
                      device_empty, free_device_cache, load_fused, load_weight, reading, tensor_info, write_into)
-from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
+from .kv_blocks import BLOCK_SIZE, BlockPool, blocks_for, kv_type_for
 from .paged_attention import CH, gpu_split_ok
 from .matvec_gpu_tc import tc_loading, tc_stage
 from .model import Block, Group, Head, KVPages, make_block, rope_inputs
@@ -169,15 +169,9 @@ _KV_DTYPES = {"f16": dtypes.float16, "f32": dtypes.float32}
 
 
 def default_kv_dtype(device: str | None = None) -> str:
-    """The KV pools' type where Stage.load is not told one: $MESH_KV_DTYPE (f16 or f32), else f16 on a CPU device
-    (as llama.cpp keeps its KV cache: half the memory and half the bytes attention reads from DRAM each step, which
-    bound the CPU's batched decode step; NOTES "KV in f16 on the CPU") and f32 on GPUs (not measured there)."""
-    env = os.environ.get("MESH_KV_DTYPE")
-    if env:
-        if env not in _KV_DTYPES:
-            raise EngineError(f"MESH_KV_DTYPE={env!r}: expected f16 or f32")
-        return env
-    return "f16" if str(device or Device.DEFAULT).startswith("CPU") else "f32"
+    """The KV pools' type where Stage.load is not told one: `kv_blocks.kv_type_for` of `device` (default: tinygrad's
+    default device)."""
+    return kv_type_for(str(device or Device.DEFAULT))
 
 
 def _tree_max(x: Tensor, pad: float, fan: int = 16) -> Tensor:

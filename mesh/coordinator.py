@@ -76,7 +76,7 @@ class CoordConfig:
 def _info_report(m: Member, ev: proto.Info) -> StageReport:
     speed = StageSpeed(ev.decode_ms_layer, ev.prefill_ms_layer, ev.step_ms) if ev.decode_ms_layer > 0 else None
     return StageReport(m.name, ev.start, ev.end, ev.total_layers, ev.memory_mb, ev.pinned, clean(ev.fingerprint),
-                       clean(ev.backend), ev.loaded, speed, ev.measures)
+                       clean(ev.backend), ev.loaded, speed, ev.measures, kv_bytes=ev.kv_bytes)
 
 
 def _chain(reports: list[StageReport], ranges) -> tuple[tuple[str, int, int], ...]:
@@ -84,14 +84,14 @@ def _chain(reports: list[StageReport], ranges) -> tuple[tuple[str, int, int], ..
 
 
 def model_cost(path: Path, *, n_slots: int, max_context: int) -> ModelCost:
-    """The planner's view of the model: MB one layer needs on a peer (its weights as stored, plus an f32 KV cache for
-    the coordinator's slots and context; peers run with the same settings by default; CPU peers keep f16 KV, so this
-    over-estimates them: engine/stage.py default_kv_dtype) and a column's wire bytes."""
+    """The planner's view of the model: MB one layer needs on a peer (its weights as stored, plus a KV cache for the
+    coordinator's slots and context, at f32 here and priced on each peer at the bytes it says it keeps: Info.kv_bytes,
+    engine.kv_blocks.kv_type_for) and a column's wire bytes."""
     from engine.gguf_meta import read_gguf
     meta, gguf = read_model_meta(path), read_gguf(path)
     weights = sum(t.nbytes for n, t in gguf.tensors.items() if n.startswith("blk."))
     kv = 2 * meta.n_kv_heads * meta.head_dim * 4 * n_slots * min(max_context, meta.context_length)
-    return ModelCost((weights / max(meta.n_layers, 1) + kv) / 2**20, meta.dim * 4)
+    return ModelCost((weights / max(meta.n_layers, 1) + kv) / 2**20, meta.dim * 4, kv_mb=kv / 2**20)
 
 
 def _memo_dir(kind: str) -> Path:

@@ -27,6 +27,7 @@ import transport
 from engine.arena import PayloadKind
 from engine.errors import EngineError
 from engine.gguf_meta import read_model_meta
+from engine.kv_blocks import KV_BYTES, kv_type_for
 from engine.local_stage import LocalStage, open_stage_host
 from mesh import proto
 from mesh.errors import HopError, MeshError, single_errors
@@ -551,7 +552,17 @@ class Peer:
                           self.backend, self.loaded is not None, *kv,
                           *((speed.decode_ms_per_layer, speed.prefill_ms_per_layer, speed.step_ms) if speed else
                             (0.0, 0.0, 0.0)),
-                          self.cfg.warmup > 0, bytes(len(req.pad)) if req is not None else b"")
+                          self.cfg.warmup > 0, bytes(len(req.pad)) if req is not None else b"", self._kv_bytes())
+
+    def _kv_bytes(self) -> int:
+        """The bytes of one KV value this peer's stage keeps (the rule Stage.load follows on this device), 0 where the
+        device is not known yet or $MESH_KV_DTYPE is wrong (the load will say so): the planner then prices f32."""
+        if not self.backend:
+            return 0
+        try:
+            return KV_BYTES[kv_type_for(self.backend)]
+        except EngineError:
+            return 0
 
     # ---- loading and shipping --------------------------------------------------------------------------------
     async def _load(self, path: Path, start: int, end: int, n_slots: int | None = None,

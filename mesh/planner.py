@@ -37,6 +37,7 @@ class StageReport:
     speed: "StageSpeed | None" = None    # measured on the peer's device for this model; None = not measured
     measures: bool = False               # it measures a stage it loads (so a probe load gives it a speed)
     link: "LinkSpeed | None" = None      # its link to the coordinator, measured before the plan
+    kv_bytes: int = 0                    # bytes of one KV value its stage keeps (2 f16, 4 f32; 0 = not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +62,18 @@ class LinkSpeed:
 @dataclass(frozen=True, slots=True)
 class ModelCost:
     """What the planner needs of the model: memory one layer takes on a peer (weights + KV cache) and the bytes of
-    one column's hidden state on the wire. layer_mb 0 = unknown (memory bounds nothing)."""
+    one column's hidden state on the wire. layer_mb 0 = unknown (memory bounds nothing). layer_mb prices the KV
+    cache at f32; kv_mb is that part of it, priced on each stage at the bytes it keeps (`layer_mb_on`)."""
     layer_mb: float
     hidden_bytes: int
     prefill_columns: int = 64      # the coordinator's prefill chunk on the wire
     engine_chunk: int = 16         # the engine's prefill chunk, the shape the prefill figure was measured on
+    kv_mb: float = 0.0
+
+    def layer_mb_on(self, s: StageReport) -> float:
+        """MB one layer takes on stage s: its KV cache at the bytes of a value the peer said it keeps (a CPU peer
+        keeps f16: half), at f32 where it did not say."""
+        return self.layer_mb - self.kv_mb * (1 - s.kv_bytes / 4) if s.kv_bytes else self.layer_mb
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +198,7 @@ def capacity(s: StageReport, cost: ModelCost, total: int) -> int:
     """How many layers a peer's memory holds (unbounded where memory or the layer size is unknown)."""
     if s.memory_mb <= 0 or cost.layer_mb <= 0:
         return total
-    return int(s.memory_mb // cost.layer_mb)
+    return int(s.memory_mb // cost.layer_mb_on(s))
 
 
 def _need_speed(s: StageReport) -> StageSpeed:
@@ -292,7 +300,7 @@ def plan_by_speed(first: int, total: int, stages: list[StageReport], cost: Model
         s = stages[i]
         if capacity(s, cost, total) < 1:
             notes.append(LeftOutNote(i, "memory", f"{s.name} offers {s.memory_mb} MB, one layer needs "
-                                                  f"{cost.layer_mb:.0f} MB"))
+                                                  f"{cost.layer_mb_on(s):.0f} MB"))
             continue
         forced = _search(first, total, stages, cost, frozenset({i}))
         if forced is None:

@@ -1,7 +1,9 @@
 """Block tables over the wire: a fake coordinator drives a real peer (and its worker) in-process. The peer reports
-its KV pool in Info, applies BlockTable in order before the step that follows it, and answers a table that names
+its KV pool in Info (and the bytes of its KV values), applies BlockTable in order before the step that follows it, and answers a table that names
 another slot's block with an Error, staying usable."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import trio
@@ -52,6 +54,7 @@ async def test_block_tables_reach_the_peers_stage(model):
             assert isinstance(await control.receive(), proto.Join)
             info = await ask(control, proto.InfoRequest())
             assert (info.kv_blocks, info.kv_block_size) == (0, 0)  # nothing loaded yet
+            result["kv_bytes"] = info.kv_bytes  # what its KV values will take: the planner prices layers by it
             ack = await ask(control, proto.Load(0, 2, 2, info.fingerprint))
             assert ack.ok, ack.reason
             info = await ask(control, proto.InfoRequest())
@@ -76,4 +79,5 @@ async def test_block_tables_reach_the_peers_stage(model):
     if "error" in result:
         raise result["error"]
     assert result["pool"] == (4 * 64 // 16, 16)
+    assert result["kv_bytes"] == (4 if os.environ.get("MESH_KV_DTYPE") == "f32" else 2)  # a CPU stage: f16
     assert result["own"] == result["sent"] == result["reused"]

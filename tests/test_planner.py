@@ -5,8 +5,8 @@ import pytest
 from mesh.planner import PlanError, StageReport, chain_order, plan_fleet, plan_split, validate_chain
 
 
-def report(name, start=0, end=0, *, total=30, mem=0, pinned=False, fp="f" * 64, backend="CPU"):
-    return StageReport(name, start, end, total, mem, pinned, fp, backend, loaded=end > start)
+def report(name, start=0, end=0, *, total=30, mem=0, pinned=False, fp="f" * 64, backend="CPU", kv_bytes=0):
+    return StageReport(name, start, end, total, mem, pinned, fp, backend, loaded=end > start, kv_bytes=kv_bytes)
 
 
 def test_split_equal_shares_when_memory_unknown():
@@ -128,6 +128,18 @@ def test_speed_plan_names_memory_and_surplus():
         plan_by_speed(0, 30, [fast("a", mem=1000), fast("b", mem=1000)], COST)
     with pytest.raises(PlanError, match="no measured speed"):
         plan_by_speed(0, 30, [fast("a"), report("b")], COST)
+
+
+def test_a_peer_that_keeps_f16_kv_holds_the_layers_its_memory_takes_at_f16():
+    # 100 MB a layer at f32, 60 of it KV: 70 MB on a peer that says it keeps f16 values, 100 where it did not say
+    cost = ModelCost(layer_mb=100.0, hidden_bytes=4000, kv_mb=60.0)
+    cpu, gpu, silent = fast("cpu", mem=1400, kv_bytes=2), fast("gpu", mem=1400, kv_bytes=4), fast("old", mem=1400)
+    assert [cost.layer_mb_on(s) for s in (cpu, gpu, silent)] == [70.0, 100.0, 100.0]
+    plan = plan_by_speed(0, 30, [cpu, fast("slow", 3.0, mem=10_000)], cost)
+    assert plan.ranges == ((0, 20), (20, 30))     # 1400 // 70: the CPU peer takes 20 layers, not 14
+    notes = {n.index: n for n in plan_by_speed(0, 2, [fast("a"), fast("b"), fast("tiny", mem=60, kv_bytes=2)],
+                                                 cost).left_out}
+    assert notes[2].kind == "memory" and "offers 60 MB, one layer needs 70 MB" in notes[2].line
 
 
 def test_prediction_sums_decode_and_takes_the_slowest_prefill_chunk():

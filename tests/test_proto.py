@@ -34,6 +34,7 @@ SAMPLES: list[p.Event] = [
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True),
     p.Info(0, 15, 30, 8192, True, "ab" * 16, "CUDA", True, 512, 16),
     p.Info(0, 15, 30, 8192, False, "", "METAL", False, 0, 0, 1.25, 3.5, 0.4, True, bytes(100)),
+    p.Info(0, 15, 30, 8192, False, "", "CPU", True, 256, 16, kv_bytes=2),
     p.InfoRequest("ab" * 16, b"\0" * 64),
     p.Load(15, 30, 30, "ab" * 16),
     p.Load(0, 10, 30, "ab" * 16, bytes(32), 9, 512, 3),
@@ -255,6 +256,8 @@ def test_encoding_a_value_that_does_not_fit_names_the_field():
         p.Info(0, 1, 2, 0, False, "", "CPU", True, decode_ms_layer=float("nan"))
     with pytest.raises(ValueError, match=r"Info.step_ms"):
         p.Info(0, 1, 2, 0, False, "", "CPU", True, decode_ms_layer=1.0, step_ms=-0.5)
+    with pytest.raises(ValueError, match=r"Info.kv_bytes must be 0, 2 or 4, got 3"):
+        p.Info(0, 1, 2, 0, False, "", "CPU", True, kv_bytes=3)
 
 
 def test_events_are_frozen_and_hashable():

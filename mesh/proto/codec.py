@@ -20,9 +20,11 @@ from .seal import SEAL_OVERHEAD, Sealer
 
 HEADER = struct.Struct("<BBHI")
 HEADER_SIZE = HEADER.size
-PROTOCOL_VERSION = 3
-MIN_VERSION = 3      # 2: sealed frames, X25519 in the handshake, the client proves first; 3: BatchStep per-column sampling
-MAX_VERSION = 3
+PROTOCOL_VERSION = 4
+# 2: sealed frames, X25519 in the handshake, the client proves first; 3: BatchStep per-column sampling; 4: Info says
+# the bytes of the peer's KV values (a version-3 peer's Info would not decode: it is refused at the handshake instead)
+MIN_VERSION = 4
+MAX_VERSION = 4
 MAX_FRAME = 64 * 1024 * 1024
 HANDSHAKE_MAX_FRAME = 1024
 """The largest frame a connection accepts before it authenticated: the biggest handshake frame (a Hello with its

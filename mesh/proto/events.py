@@ -553,7 +553,7 @@ class InfoRequest(Event):
     pad: bytes = b""
 
 
-@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL, U32, U32, F64, F64, F64, BOOL, BYTES)
+@_message(MsgType.INFO, U32, U32, U32, U64, BOOL, STR, STR, BOOL, U32, U32, F64, F64, F64, BOOL, BYTES, U8)
 @dataclass(frozen=True, slots=True)
 class Info(Event):
     """A stage's self-description. With loaded False, start/end are the pinned range (if pinned) or 0/0.
@@ -562,7 +562,9 @@ class Info(Event):
     The speed figures are the peer's own measurement of this model on its device (mesh.speed; 0 = not measured):
     ms per layer of a one-column decode step and of a 16-column prefill chunk, and the fixed ms of a step.
     `measures`: the peer measures its stage when it loads (it warms up), so a probe load would give figures.
-    `pad` echoes the request's filler (zeros of the same length)."""
+    `pad` echoes the request's filler (zeros of the same length). `kv_bytes`: the bytes of one KV value the peer's
+    stage keeps or would keep (2: f16, 4: f32; 0: not known), so the planner prices its KV cache as it is held
+    (protocol version 4)."""
 
     start: int
     end: int
@@ -579,8 +581,11 @@ class Info(Event):
     step_ms: float = 0.0
     measures: bool = False
     pad: bytes = b""
+    kv_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_bytes not in (0, 2, 4):
+            raise ValueError(f"Info.kv_bytes must be 0, 2 or 4, got {self.kv_bytes!r}")
         for name in ("decode_ms_layer", "prefill_ms_layer", "step_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
