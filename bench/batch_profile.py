@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--mixed", action="store_true")
-    ap.add_argument("--kv", default="f32", choices=["f32", "f16"], help="the KV pools' type")
+    ap.add_argument("--kv", default=None, choices=["f32", "f16"], help="the KV pools' type (default: the engine's, "
+                    "f16 on the CPU; the fourteenth session's tables pass f32 to compare with older trees)")
     ap.add_argument("--knockout", type=int, default=0, metavar="ROUNDS", help="also each kernel kind's cost inside "
                     "the step: the runner with and without that kind's kernels, alternating")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="tokens each slot holds before the timed steps "
