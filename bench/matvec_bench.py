@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--wide", default="", help="comma list of MESH_GPU_MV_WIDE values, ':' for ','")
     ap.add_argument("--tc", action="store_true", help="also the tensor-core kernel (engine/matvec_gpu_tc.py, its own "
                     "layout; Q4_0/Q8_0, plain): its time against the first layout's, and both errors against float64")
+    ap.add_argument("--x8", action="store_true", help="with --tc: also the tensor-core kernel with x in 8 bits "
+                    "(engine/matvec_gpu_s8.py), over the same weights")
     ap.add_argument("--tc-layouts", default="", help="comma list of SPLIT:WARPS[:UNROLL] for the tensor-core kernel "
                     "(MESH_GPU_TC_SPLIT, MESH_GPU_TC_WARPS, MESH_GPU_TC_UNROLL: warps over a row's blocks, warps a "
                     "grid keeps, blocks a warp takes a loop step)")
@@ -134,10 +136,12 @@ def main() -> None:
                 if tcl:
                     os.environ["MESH_GPU_TC_SPLIT"], os.environ["MESH_GPU_TC_WARPS"], *u = tcl.split(":")
                     os.environ["MESH_GPU_TC_UNROLL"] = u[0] if u else "1"
-                line = _time_tc(tcw, Q[qt], x, want, a.reps, copies, dev, f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} "
-                                f"{nbytes / 1e6:8.1f} MB  tc{tcl:<8s} ", nbytes, a.n, first_us, first_err)
-                print(line, flush=True)
-                rows_out.append(line)
+                for x8 in (False, True) if a.x8 else (False,):
+                    line = _time_tc(tcw, Q[qt], x, want, a.reps, copies, dev, f"{qt:5s} {mname:8s} {rows:6d}x{cols:<6d} "
+                                    f"{nbytes / 1e6:8.1f} MB  {'s8' if x8 else 'tc'}{tcl:<8s} ", nbytes, a.n, first_us,
+                                    first_err, x8)
+                    print(line, flush=True)
+                    rows_out.append(line)
             del ws, tcw
     print("\nsummary")
     print("\n".join(rows_out))
@@ -163,20 +167,25 @@ def _time_step(step, x, want, reps: int, copies: int, dev: str) -> tuple[float, 
     return compile_s, err, statistics.median(times) * 1e6
 
 
-def _time_tc(tcw, qtype, x, want, reps, copies, dev, head, nbytes, n, base_us, base_err) -> str:
+def _time_tc(tcw, qtype, x, want, reps, copies, dev, head, nbytes, n, base_us, base_err, x8=False) -> str:
     """The tensor-core kernel over the same copies, timed as the layouts are; its error against float64 and its
     time as a ratio to the first layout's (today's kernel, same run). "err ok": within 2x the first layout's error
-    (and 1e-6 of the largest output), else "err WORSE"."""
+    (and 1e-6 of the largest output), else "err WORSE". `x8`: x quantized to 8 bits (engine/matvec_gpu_s8.py, the
+    quantize kernel timed with it); its error is x's rounding (~1%), not judged."""
     from tinygrad import TinyJit
+    from engine.matvec_gpu_s8 import s8_matmul_t, s8_renderer
     from engine.matvec_gpu_tc import tc_matmul_t
+    if x8 and not s8_renderer(dev):
+        return head + "skipped: this device's renderer has no s8 MMA"
+    mm = s8_matmul_t if x8 else tc_matmul_t
 
     @TinyJit
     def step(x):
-        return [tc_matmul_t(w, s, qtype, x).realize() for w, s in tcw]
+        return [mm(w, s, qtype, x).realize() for w, s in tcw]
     try:
         compile_s, err, us = _time_step(step, x, want, reps, copies, dev)
         ratio = f"  {base_us / us:5.2f}x the first layout" if base_us else ""
-        ok = "" if base_err is None else " ok" if err <= max(2 * base_err, 1e-6) else " WORSE"
+        ok = " (8-bit x)" if x8 else "" if base_err is None else " ok" if err <= max(2 * base_err, 1e-6) else " WORSE"
         return (head + f"{us:9.1f} us " + (f"({us / n:6.2f} a column) " if n > 1 else "")
                 + f"{nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}{ok}{ratio}  (first calls {compile_s:.1f} s)")
     except Exception as e:  # must not hide the other rows

@@ -39,6 +39,7 @@ from .cpu_runner import core_index, cpu_threads
 
 from engine import quant_gemm, quant_i8
 from engine.matvec_gpu import gpu_matvec_kernel, magic_word
+from engine.matvec_gpu_s8 import s8_matmul_t, s8_renderer, x8_wanted
 from engine.matvec_gpu_tc import tc_matmul_t, tc_unpack
 
 F32 = dtypes.float32
@@ -330,6 +331,8 @@ class QuantWeight:
         eps) x is RMS-normalized first; with `glu` x is (N, 2 cols) [gate | up] and silu(gate) * up is used; with
         `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
         if self.layout == "tc":  # the tensor-core kernel: the norm and the residual fused, silu(gate) * up before it
+            if x8_wanted() and s8_renderer(str(self.rest.device)):  # x in 8 bits (engine/matvec_gpu_s8.py)
+                return s8_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, glu=glu, residual=residual)
             if glu:
                 C = x.shape[1] // 2
                 gate = x[:, :C].cast(F32)
