@@ -100,6 +100,11 @@
 #                              of $S14C_VARIANTS at 16 and 1 column, the serving-like step with the attention's skip on/off
 #   bench/h200_synth.sh s14d   a fresh machine: decode_ab of the tc kernel's SPLIT / GROUP / UNROLL at 16 and 1 column on
 #                              1.1b-Q8_0, then on 8b-Q4_0 (written meanwhile)
+#   bench/h200_synth.sh s16    sixteenth session (issue 11), a fresh machine: the tensor-core matvec with x in 8 bits
+#                              (engine/matvec_gpu_s8.py, MESH_GPU_TC_X8=1): its tests on CUDA, the 1.1B matrices at
+#                              16 and 1 columns (bf16 and s8 side by side), decode_ab of the s8 stage at 16 and 1 column
+#   bench/h200_synth.sh s16b   a fresh machine: the 8B Q4_0 matrices and steps, bf16 against s8, then serve_bench 1,16
+#                              on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1 (rounds alternating)
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -116,7 +121,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1050,6 +1055,58 @@ s14d)  # fifteenth session (issue 11), after s14c: decode_ab of the tc kernel's 
   for b in 16 1; do
     ab 8b-Q4_0 $b 150 ${S14D_V8B:-base= s16=MESH_GPU_TC_SPLIT=16 g8=MESH_GPU_TC_GROUP=8 u2=MESH_GPU_TC_UNROLL=2}
   done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s16)  # sixteenth session (issue 11): the tensor-core matvec with x in 8 bits (engine/matvec_gpu_s8.py): bits and
+  # error on CUDA, the 1.1B matrices alone at 16 and 1 columns (bf16 tc and s8 on the same weights), then decode_ab of
+  # the s8 stage against the bf16 one at 16 and 1 column (greedy ids of each variant printed)
+  { date -u; nproc; uptime; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 120); echo "== tests on CUDA: tests/test_matvec_s8.py (limit ${l}s)"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_s8.py \
+    2>&1 | grep -v "Warning\|warn" | tail -12 | tee "$OUT/pytest_cuda.txt"
+  for run in 16:${S16_MV16:-8:512:2,8:2048:2} 1:${S16_MV1:-8:2048:2}; do
+    n=${run%%:*}; lays=${run#*:}
+    l=$(lim 100); [ "$l" -gt 50 ] || { echo "skip matvec_bench n=$n: no time"; continue; }
+    echo "== matvec_bench --shape 1.1b --n $n --types Q8_0 --tc --x8 --tc-layouts $lays (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape 1.1b --n $n --types Q8_0 --tc --x8 --reps 10 \
+      --tc-layouts $lays 2>&1 | grep -v Warning > "$OUT/mv_$n.txt"
+    sed -n '/^summary/,$p' "$OUT/mv_$n.txt" | grep "tc\|s8" | tee -a "$OUT/matvec.txt"
+  done
+  V="${S16_VARIANTS:-bf16= x8=MESH_GPU_TC_X8=1 x8w=MESH_GPU_TC_X8=1;MESH_GPU_TC_WARPS=2048}"
+  for b in 16 1; do
+    l=$(lim 130); [ "$l" -gt 60 ] || { echo "skip decode_ab batch $b: no time"; continue; }
+    echo "== decode_ab $b columns at 128: $V (limit ${l}s)"
+    args=(); for v in $V; do args+=(--variant "$v"); done
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch $b --positions 128 \
+      --rounds 3 --steps 20 --greedy "${args[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s16b)  # sixteenth session (issue 11): the 8B Q4_0 shape with x in 8 bits (matrices at 16 columns, decode_ab at 16 and
+  # 1 column), then serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, rounds alternating
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  F=1.1b-Q8_0
+  ( [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; } ) &
+  [ -f $M/.8b-Q4_0 ] || { python3 bench/synth_gguf.py $M/8b-Q4_0.gguf --shape 8b --type Q4_0 > "$OUT/synth8.txt" 2>&1;
+    touch $M/.8b-Q4_0; }
+  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  l=$(lim 90); [ "$l" -gt 50 ] && { echo "== matvec_bench --shape 8b --n 16 --types Q4_0 --tc --x8 (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape 8b --n 16 --types Q4_0 --tc --x8 --reps 10 \
+      --tc-layouts ${S16B_MV:-8:512:2} 2>&1 | grep -v Warning > "$OUT/mv8_16.txt"
+    sed -n '/^summary/,$p' "$OUT/mv8_16.txt" | grep "tc\|s8" | tee -a "$OUT/matvec.txt"; }
+  for b in ${S16B_BATCHES:-16 1}; do
+    l=$(lim 130); [ "$l" -gt 60 ] || { echo "skip decode_ab 8b batch $b: no time"; continue; }
+    echo "== decode_ab 8b-Q4_0 $b columns at 128: bf16 / x8 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/8b-Q4_0.gguf --batch $b --positions 128 \
+      --rounds 3 --steps 20 --greedy --variant bf16= --variant x8=MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  wait
+  l=$(lim 300); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_X8=1 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      --rounds ${S16B_ROUNDS:-2} --ab-env MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own

@@ -27,6 +27,7 @@ import os
 from gguf import GGMLQuantizationType as Q
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
+from tinygrad.renderer.cstyle import CUDARenderer, _wmma_name
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WIDE_WARPS, WARPS, LANE_WORDS, tc_unroll
@@ -47,25 +48,18 @@ def s8_renderer(device: str) -> bool:
     PYTHON device needs nothing."""
     if device.split(":")[0] == "PYTHON":
         return True
-    from tinygrad.renderer.cstyle import CUDARenderer
     ren = Device[device].renderer
-    if type(ren) is CUDARenderer or isinstance(ren, _S8):
-        if not isinstance(ren, _S8):
-            ren.__class__ = _s8_class(type(ren))
-        return True
-    return False
+    if type(ren) is CUDARenderer:
+        ren.__class__ = S8CUDARenderer  # a class of this module: the compile pool pickles the renderer
+    return isinstance(ren, S8CUDARenderer)
 
 
-class _S8:  # marker of the renderer classes `_s8_class` makes
-    pass
-
-
-def _s8_class(base: type) -> type:
-    from tinygrad.renderer.cstyle import _wmma_name
+class S8CUDARenderer(CUDARenderer):
+    """tinygrad's CUDA C renderer, with the s8 form of mma.sync for the WMMA ops whose inputs are int8."""
 
     def render_kernel(self, function_name, kernel, bufs, uops, prefix=None):
         s8 = {u for u in uops if u.op is Ops.WMMA and u.arg[1] == I8}
-        src = base.render_kernel(self, function_name, kernel, bufs, [u for u in uops if u not in s8], prefix)
+        src = super().render_kernel(function_name, kernel, bufs, [u for u in uops if u not in s8], prefix)
         if not s8:
             return src
         # the fragments: 16 and 8 int8 (structs, as tinygrad makes its half vectors), C / D an int4 (CUDA's own)
@@ -79,7 +73,6 @@ def _s8_class(base: type) -> type:
   return c;
 }}""")
         return "\n".join(defs) + "\n" + src
-    return type(f"S8{base.__name__}", (base, _S8), {"render_kernel": render_kernel})
 
 
 def _bytes(word: UOp) -> list[UOp]:
