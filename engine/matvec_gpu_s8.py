@@ -169,11 +169,13 @@ def s8_layout(tiles: int, nb: int, n: int) -> tuple[int, int] | None:
 
 def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
     """The kernel for custom_kernel(out (N, rows) f32, words (T, nb, 32, LANE_WORDS) u32, scales (T, nb, 8, 2) f16,
-    xq, xd, xs (`quantize`'s), [residual (N, rows) f32])."""
-    def kernel(out: UOp, words: UOp, scales: UOp, xq: UOp, xd: UOp, xs: UOp, *extra: UOp) -> UOp:
+    xq, xd, [xs] (`quantize`'s; xs for Q4_0 only), [residual (N, rows) f32]). Every buffer passed is read: a CUDA
+    graph node with more arguments than its kernel's parameters is refused (engine/matvec_gpu_tc.py)."""
+    def kernel(out: UOp, words: UOp, scales: UOp, xq: UOp, xd: UOp, *extra: UOp) -> UOp:
         T, nb, _, LW = words.shape
         N = xq.shape[0]
-        res = extra[0] if residual else None
+        xs = extra[0] if ggml_type == Q.Q4_0 else None
+        res = extra[-1] if residual else None
         most = int(os.environ.get("MESH_GPU_TC_GROUP", GROUP))
         group = next(gc for gc in (GROUP, 8, 4, 2, 1) if gc <= most and s8_layout(T, nb, min(N, gc)) is not None)
         NG, NC = -(-N // group), min(N, group)
@@ -276,4 +278,5 @@ def s8_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, nor
     out = Tensor.empty(x.shape[0], T * 16, dtype=F32, device=words.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     kern = s8_matvec_kernel(Q(ggml_type).name.lower(), ggml_type, residual is not None)
-    return Tensor.custom_kernel(out, words, scales, xq, xd, xs, *extra, fxn=kern)[0]
+    sums = [xs] if ggml_type == Q.Q4_0 else []  # Q8_0's weights are signed: no -8 sum q_x to take off
+    return Tensor.custom_kernel(out, words, scales, xq, xd, *sums, *extra, fxn=kern)[0]
