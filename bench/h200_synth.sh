@@ -103,8 +103,8 @@
 #   bench/h200_synth.sh s16    sixteenth session (issue 11), a fresh machine: the tensor-core matvec with x in 8 bits
 #                              (engine/matvec_gpu_s8.py, MESH_GPU_TC_X8=1): its tests on CUDA, the 1.1B matrices at
 #                              16 and 1 columns (bf16 and s8 side by side), decode_ab of the s8 stage at 16 and 1 column
-#   bench/h200_synth.sh s16b   a fresh machine: the 8B Q4_0 matrices and steps, bf16 against s8, then serve_bench 1,16
-#                              on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1 (rounds alternating)
+#   bench/h200_synth.sh s16b   a fresh machine: the s8 tests on CUDA, decode_ab of the 1.1B step bf16 against s8,
+#                              serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0 step
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -1085,28 +1085,34 @@ s16)  # sixteenth session (issue 11): the tensor-core matvec with x in 8 bits (e
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
-s16b)  # sixteenth session (issue 11): the 8B Q4_0 shape with x in 8 bits (matrices at 16 columns, decode_ab at 16 and
-  # 1 column), then serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, rounds alternating
+s16b)  # sixteenth session (issue 11), after s16 (the quantize kernel a thread a block, s8 at WARPS every width): the s8
+  # tests on CUDA (with a serving stage of Q4_0 and Q8_0, and the bf16 kernel on Q8_0), decode_ab of the 1.1B step at 16
+  # and 1 column, serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0 step if time is left
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
-  ( [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; } ) &
-  [ -f $M/.8b-Q4_0 ] || { python3 bench/synth_gguf.py $M/8b-Q4_0.gguf --shape 8b --type Q4_0 > "$OUT/synth8.txt" 2>&1;
-    touch $M/.8b-Q4_0; }
+  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
   lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  l=$(lim 90); [ "$l" -gt 50 ] && { echo "== matvec_bench --shape 8b --n 16 --types Q4_0 --tc --x8 (limit ${l}s)"
-    DEV=CUDA timeout $l python3 bench/matvec_bench.py --shape 8b --n 16 --types Q4_0 --tc --x8 --reps 10 \
-      --tc-layouts ${S16B_MV:-8:512:2} 2>&1 | grep -v Warning > "$OUT/mv8_16.txt"
-    sed -n '/^summary/,$p' "$OUT/mv8_16.txt" | grep "tc\|s8" | tee -a "$OUT/matvec.txt"; }
-  for b in ${S16B_BATCHES:-16 1}; do
-    l=$(lim 130); [ "$l" -gt 60 ] || { echo "skip decode_ab 8b batch $b: no time"; continue; }
+  ( [ -f $M/.8b-Q4_0 ] || { nice python3 bench/synth_gguf.py $M/8b-Q4_0.gguf --shape 8b --type Q4_0 > "$OUT/synth8.txt" 2>&1;
+    touch $M/.8b-Q4_0; } ) &
+  l=$(lim 120); echo "== tests on CUDA: tests/test_matvec_s8.py (limit ${l}s)"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_s8.py \
+    2>&1 | grep -v "Warning\|warn" | grep "passed\|failed\|FAILED\|Error\|Mismatch\|index\|diff" | tail -20 | tee "$OUT/pytest_cuda.txt"
+  for b in 16 1; do
+    l=$(lim 100); [ "$l" -gt 50 ] || { echo "skip decode_ab batch $b: no time"; continue; }
+    echo "== decode_ab 1.1b $b columns at 128: bf16 / x8 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch $b --positions 128 \
+      --rounds 3 --steps 20 --greedy --variant bf16= --variant x8=MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+  done
+  l=$(lim 230); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_X8=1 (limit ${l}s)"
+    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
+      --rounds ${S16B_ROUNDS:-1} --ab-env MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  for b in 16 1; do
+    [ -f $M/.8b-Q4_0 ] || { echo "skip decode_ab 8b: the file is not written yet"; break; }
+    l=$(lim 100); [ "$l" -gt 60 ] || { echo "skip decode_ab 8b batch $b: no time"; continue; }
     echo "== decode_ab 8b-Q4_0 $b columns at 128: bf16 / x8 (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/8b-Q4_0.gguf --batch $b --positions 128 \
       --rounds 3 --steps 20 --greedy --variant bf16= --variant x8=MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
   done
-  wait
-  l=$(lim 300); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_X8=1 (limit ${l}s)"
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
-      --rounds ${S16B_ROUNDS:-2} --ab-env MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own

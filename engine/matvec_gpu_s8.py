@@ -30,7 +30,7 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.renderer.cstyle import CUDARenderer, _wmma_name
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WIDE_WARPS, WARPS, LANE_WORDS, tc_unroll
+from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WARPS, tc_unroll
 
 F32, U32, I32, I8 = dtypes.float32, dtypes.uint32, dtypes.int32, dtypes.int8
 BLOCK = 32
@@ -82,13 +82,13 @@ def _bytes(word: UOp) -> list[UOp]:
 
 def _quantize_kernel(eps: float | None, glu: bool):
     """custom_kernel(xq (N, C/4) u32, xd (C/32, N) f32, xs (C/32, N) i32, x (N, C, or 2C with glu) f32, [norm w]):
-    a thread block a column, P threads (P | blocks, at most 32), thread t the blocks t, t + P, ... With the norm,
-    each thread's squares of its blocks first (values in order), their P partials in shared memory, added in order
-    by every thread."""
+    a thread block a column, a thread a block of 32 (up to 1024 threads; past that thread t takes blocks t, t + P,
+    ...). With the norm, each thread sums its blocks' squares first (values in order), and the P partials meet in
+    shared memory in two levels of sums in order (groups of K, then the groups), the same for every thread."""
     def kernel(xq: UOp, xd: UOp, xs: UOp, x: UOp, *norm_w: UOp) -> UOp:
         N, C = xq.shape[0], xq.shape[1] * 4
         nb = C // BLOCK
-        P = max(p for p in range(1, 33) if nb % p == 0)
+        P = max(p for p in range(1, min(nb, 1024) + 1) if nb % p == 0)
         n, t = UOp.special(N, "gidx0"), UOp.special(P, "lidx0")
 
         def xv(k: UOp) -> UOp:
@@ -96,6 +96,11 @@ def _quantize_kernel(eps: float | None, glu: bool):
                 return x[n, k]
             gate = x[n, k]
             return gate * (1.0 + (gate * -LOG2E).exp2()).reciprocal() * x[n, k + C]
+
+        def summed(buf: UOp, count: int, start: UOp | int, slot: int, *deps: UOp) -> UOp:
+            acc = UOp.placeholder((1,), F32, slot, addrspace=AddrSpace.REG).after(n, t, *deps)[0].set(0.0)
+            i = UOp.range(count, slot, AxisType.REDUCE)
+            return acc[0].set(acc.after(i)[0] + buf[start + i], end=i)[0]
         rs = None
         if norm_w:
             bj = UOp.range(nb // P, 1, AxisType.REDUCE)
@@ -106,12 +111,13 @@ def _quantize_kernel(eps: float | None, glu: bool):
             for e in vals:
                 v = v + e * e
             sq = sq[0].set(v, end=bj)[0]
+            K = min(k for k in range(1, P + 1) if P % k == 0 and k * k >= P)
             ssp = UOp.placeholder((P,), F32, 21, addrspace=AddrSpace.LOCAL)
             ssp = ssp.after(ssp[t].store(sq))
-            tot = UOp.placeholder((1,), F32, 22, addrspace=AddrSpace.REG)
-            tot = tot.after(n, t, ssp)[0].set(0.0)
-            ip = UOp.range(P, 2, AxisType.REDUCE)
-            tot = tot[0].set(tot.after(ip)[0] + ssp[ip], end=ip)[0]
+            part = summed(ssp, K, (t // K) * K, 22, ssp)  # every thread of a group the same sum
+            ssp2 = UOp.placeholder((P // K,), F32, 23, addrspace=AddrSpace.LOCAL)
+            ssp2 = ssp2.after(ssp2[t // K].store(part))
+            tot = summed(ssp2, P // K, 0, 24, ssp2)
             rs = (tot * (1.0 / C) + eps).sqrt().reciprocal()
         bi = UOp.range(nb // P, 3)
         b = bi * P + t
@@ -157,9 +163,11 @@ def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = Fa
 
 def s8_layout(tiles: int, nb: int, n: int) -> tuple[int, int] | None:
     """(S, R): S warps over a row's blocks (engine/matvec_gpu_tc.py's rule), R tiles of 16 rows a warp, as many as
-    keep the grid at WARPS warps (WIDE_WARPS from 8 columns) and fit the S partials in shared memory."""
+    keep the grid at WARPS warps and fit the S partials in shared memory. At every width: the bf16 kernel's fewer,
+    fuller warps at 8+ columns (WIDE_WARPS) shared a warp's split of x, which this kernel does not make; on the H200
+    the 1.1B step at 16 columns took 1.90 ms at WARPS against 2.24 at WIDE_WARPS (bench/RESULTS.md)."""
     most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
-    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS if n < 8 else WIDE_WARPS))
+    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS))
     S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
     nt = -(-n // 8)
     fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * (8 * nt + 1) * 4 <= SHARED_BYTES

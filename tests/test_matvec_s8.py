@@ -144,30 +144,34 @@ def test_tiles_a_warp_and_blocks_a_loop_step_change_no_bits(monkeypatch, qtype, 
 
 
 @pytest.mark.slow
-def test_a_serving_stage_on_8_bit_x_keeps_each_sequences_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype,x8", [("Q8_0", True), ("Q4_0", True), ("Q8_0", False)])
+def test_a_serving_stage_keeps_each_sequences_bits(tmp_path, monkeypatch, qtype, x8):
     """MESH_GPU_TC_X8=1: a tensor-core stage's matmuls quantize x (the norm and silu(gate) * up in the quantize
     kernel). A sequence's logits alone over a split are the bits of the same sequence unsharded beside another
-    one, prompt and decode step; and they are near the bf16 kernel's (x's 8 bits)."""
+    one, prompt and decode step; and they are near the bf16 kernel's (x's 8 bits). The bf16 kernel on Q8_0
+    weights too (engine/matvec_gpu_tc.py's own test takes Q4_0)."""
     from engine.stage import Stage
     from tests.test_matvec_tc import _greedy
     from tests.tiny_gguf import write_tiny_gguf
     from tinygrad.helpers import Context
     monkeypatch.delenv("MESH_GPU_MV", raising=False)
+    monkeypatch.delenv("MESH_GPU_TC_X8", raising=False)
     monkeypatch.setenv("MESH_GPU_TC_SLOTS", "2")
     p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=64, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                        vocab_size=32, qtype="Q8_0")
+                        vocab_size=32, qtype=qtype)
     a, b = [3, 17, 22], [9, 5]
     dev = "PYTHON::sm_80" if DEV == "PYTHON" else DEV
     with Context(DEV=dev):
         def load(lo, hi):
             return Stage.load(p, lo, hi, n_slots=2, max_context=32, jit=False)
         bf16 = _greedy([load(0, 2)], {0: a}, 1)[0]
-        monkeypatch.setenv("MESH_GPU_TC_X8", "1")
+        if x8:
+            monkeypatch.setenv("MESH_GPU_TC_X8", "1")
         whole, split = [load(0, 2)], [load(0, 1), load(1, 2)]
         assert all(st.tensor_cores for st in whole + split)
         alone = _greedy(split, {0: a}, 1)[0]
         beside = _greedy(whole, {0: a, 1: b}, 1)[0]
-    assert not np.array_equal(alone[0], bf16[0])  # the 8-bit path ran
+    assert np.array_equal(alone[0], bf16[0]) != x8  # the 8-bit path ran (or not)
     for x, y, z in zip(alone, beside, bf16):
         np.testing.assert_array_equal(x, y)
         assert np.abs(x - z).max() < 0.05 * np.abs(z).max()
