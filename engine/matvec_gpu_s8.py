@@ -30,7 +30,7 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.renderer.cstyle import CUDARenderer, _wmma_name
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WARPS, tc_unroll
+from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WARPS, accumulators, column_of, partials_out, tc_unroll
 
 F32, U32, I32, I8 = dtypes.float32, dtypes.uint32, dtypes.int32, dtypes.int8
 BLOCK = 32
@@ -196,9 +196,7 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
         gn = UOp.special(NG, "gidx1") if NG > 1 else None
         lanes = () if gn is None else (gn,)
 
-        def column(local: UOp | int, bound: int) -> UOp:  # column `local` of this group; past N, N - 1 again
-            n = local if gn is None else gn * group + local
-            return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
+        column = column_of(N, NC, group, NG, gn)
         U = tc_unroll(nb // S)
         bi = UOp.range(nb // S // U, 4, AxisType.REDUCE)
         bs = [(bi * U + u) * S + s if S > 1 else bi * U + u for u in range(U)] if U > 1 else \
@@ -215,10 +213,7 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
         dx = [[[xd[b, n] for n in cc] for cc in ccols] for b in bs]
         cinit = [[UOp.stack(*[xs[b, cc[i % 2]] * -8 for i in range(4)]) if ggml_type == Q.Q4_0
                   else UOp.const((0,) * 4, I32) for cc in ccols] for b in bs]
-        accs = []
-        for i in range(R * NT):
-            a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
-            accs.append(a.after(UOp.group(*[a[e].store(0.0) for e in range(4)])))
+        accs = accumulators(R * NT, tg, lanes)
         stores = []
         for r in range(R):
             t = tg * R + r
@@ -243,34 +238,7 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
                         v = v + isum * (ds[u][i // 2] * dx[u][nt][i % 2])
                     stores.append(acc[i].store(v))
         step = UOp.group(*stores).end(bi)
-        # the S partials of each output meet in shared memory, added in order s = 0..S-1 (rows padded to CC + 1
-        # words: no bank conflicts on the sum's loads, as in the bf16 kernel)
-        RR, CC = 16 * R, 8 * NT
-        CP = CC + 1
-        smem = UOp.placeholder((S * RR * CP,), F32, 100, addrspace=AddrSpace.LOCAL)
-        put = []
-        for r in range(R):
-            for nt in range(NT):
-                acc = accs[r * NT + nt].after(step)
-                for i in range(4):
-                    row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
-                    put.append(smem[(s * RR + row) * CP + col].store(acc[i]))
-        put = UOp.group(*put)
-        nthr, total = 32 * S, RR * NC
-        K = -(-total // nthr)
-        kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
-        o = kk * nthr + tid
-        o = (o < total).where(o, total - 1) if K * nthr > total else o
-        row, lcol = o % RR, o // RR
-        col = column(lcol, NC)
-        acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-        si = UOp.range(S, 6, AxisType.REDUCE)
-        acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), put)[0].set(0.0)
-        y = acc[0].set(acc.after(si)[0] + smem.after(put)[(si * RR + row) * CP + lcol], end=si)[0]
-        if res is not None:
-            y = y + res[col, tg * RR + row]
-        st = out[col, tg * RR + row].store(y)
-        st = st.end(kk) if K > 1 else st
+        st = partials_out(accs, step, tid, tg, lanes, S, R, NT, NC, column, out, res)
         fu = ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
         return st.sink(arg=KernelInfo(name=f"mvs8_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + (f"u{U}" if U > 1 else ""),
                                       opts_to_apply=()))

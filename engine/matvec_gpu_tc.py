@@ -292,9 +292,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         gn = UOp.special(NG, "gidx1") if NG > 1 else None
         lanes = () if gn is None else (gn,)
 
-        def column(local: UOp, bound: int) -> UOp:  # column `local` of this group, a column past N repeating N - 1
-            n = local if gn is None else gn * group + local
-            return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
+        column = column_of(N, NC, group, NG, gn)
         U = tc_unroll(nb // S)
         bi = UOp.range(nb // S // U, 4, AxisType.REDUCE)
         # U blocks a loop step, in the warp's order (blocks s, s + S, ...): their loads are issued together, so a
@@ -337,10 +335,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                        for m in range(2)] for n in cols] for b in bs]
         else:  # [u][nt][m][j][piece]
             bvecs = [[[[_pieces(xin(n, b * 32 + k)) for k in slots[m]] for m in range(2)] for n in cols] for b in bs]
-        accs = []
-        for i in range(R * NT):  # R x NT fragments of 4 accumulators, set to 0 inside the thread's ranges
-            a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
-            accs.append(a.after(UOp.group(*[a[e].store(0.0) for e in range(4)])))
+        accs = accumulators(R * NT, tg, lanes)
         stores = []
         for r in range(R):
             t = tg * R + r
@@ -366,21 +361,8 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
                         v = v + ds[u][i // 2] * parts[u][nt].index(UOp.const(i, dtypes.int))
                     stores.append(acc[i].store(v))
         step = UOp.group(*stores).end(bi)
-        # the S partials of each output through shared memory: smem[s, row in the R tiles, column of the NT tiles]
-        # rows padded to CC + 1 words: the sum below reads consecutive rows in consecutive threads, which a stride of
-        # CC (16) words put in two banks (ncu: 16-way conflicts on every load, s14); the same values either way
-        RR, CC = 16 * R, 8 * NT
-        CP = CC + 1
-        smem = UOp.placeholder((S * RR * CP,), F32, 100, addrspace=AddrSpace.LOCAL)
-        parts = []
-        for r in range(R):
-            for nt in range(NT):
-                acc = accs[r * NT + nt].after(step)
-                for i in range(4):
-                    row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
-                    parts.append(smem[(s * RR + row) * CP + col].store(acc[i]))
-        parts = UOp.group(*parts)
         nthr = 32 * S
+        scale = None
         if norm_w is not None and not shared:  # the squares of each column: thread q sums x[n, q], x[n, q + 32 S], ...
             nr = UOp.range(NC, 8)
             kq2 = UOp.range(C // nthr, 9, AxisType.REDUCE)
@@ -390,30 +372,71 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
             sacc = sacc[0].set(sacc.after(kq2)[0] + xk * xk, end=kq2)[0]
             ssp = UOp.placeholder((NC * nthr,), F32, 102, addrspace=AddrSpace.LOCAL)
             ssp = ssp.after(ssp[nr * nthr + tid].store(sacc).end(nr))
-        # then thread q of the block sums outputs q, q + 32 S, ... (row fastest) over s in order
-        total = RR * NC
-        K = -(-total // nthr)
-        q = tid
-        kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
-        o = kk * nthr + q
-        o = (o < total).where(o, total - 1) if K * nthr > total else o
-        row, lcol = o % RR, o // RR
-        col = column(lcol, NC)
-        acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
-        si = UOp.range(S, 6, AxisType.REDUCE)
-        acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
-        y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CP + lcol], end=si)[0]
         if norm_w is not None:
-            y = y * _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]
-        if res is not None:
-            y = y + res[col, tg * RR + row]
-        st = out[col, tg * RR + row].store(y)
-        st = st.end(kk) if K > 1 else st
+            scale = lambda lcol: _inv_rms(ssp, tid, tg, lanes, NC, nthr, C, norm)[lcol]  # noqa: E731
+        st = partials_out(accs, step, tid, tg, lanes, S, R, NT, NC, column, out, res, scale)
         fu = ("_norm" if norm_w is not None else "") + ("_res" if res is not None else "") + (f"_g{NG}" if NG > 1 else "")
         return st.sink(arg=KernelInfo(name=f"mvtc_{name}{fu}_{T}x16_{nb}_s{S}r{R}n{NT}" + ("x" if shared else "")
                                       + (f"u{U}" if U > 1 else ""),
                                                       opts_to_apply=()))
     return kernel
+
+
+def column_of(N: int, NC: int, group: int, NG: int, gn: UOp | None):
+    """column(local, bound): the output column of local column `local` of this thread block's group; a column past
+    N repeats N - 1 (the same operations on the same values, so the same bits where it lands)."""
+    def column(local: UOp | int, bound: int) -> UOp:
+        n = local if gn is None else gn * group + local
+        return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
+    return column
+
+
+def accumulators(count: int, tg: UOp, lanes: tuple) -> list[UOp]:
+    """`count` fragments of 4 f32 accumulators (R x NT), set to 0 inside the thread's ranges."""
+    accs = []
+    for i in range(count):
+        a = UOp.placeholder((4,), F32, 10 + i, addrspace=AddrSpace.REG).after(tg, *lanes)
+        accs.append(a.after(UOp.group(*[a[e].store(0.0) for e in range(4)])))
+    return accs
+
+
+def partials_out(accs: list[UOp], step: UOp, tid: UOp, tg: UOp, lanes: tuple, S: int, R: int, NT: int, NC: int,
+                 column, out: UOp, res: UOp | None, scale=None) -> UOp:
+    """The epilogue of both tensor-core kernels: the S warps' partials of each output (the accumulator fragments,
+    after the loop `step`) meet in shared memory, smem[s, row in the R tiles, column of the NT tiles], and thread q
+    of the block adds outputs q, q + 32 S, ... (row fastest) over s in order; times `scale(local column)` (a fused
+    norm's 1 / rms), plus the residual; the store."""
+    c, g, s = tid % 4, (tid // 4) % 8, tid // 32
+    # rows padded to CC + 1 words: the sum below reads consecutive rows in consecutive threads, which a stride of
+    # CC (16) words put in two banks (ncu: 16-way conflicts on every load, s14); the same values either way
+    RR, CC = 16 * R, 8 * NT
+    CP = CC + 1
+    smem = UOp.placeholder((S * RR * CP,), F32, 100, addrspace=AddrSpace.LOCAL)
+    parts = []
+    for r in range(R):
+        for nt in range(NT):
+            acc = accs[r * NT + nt].after(step)
+            for i in range(4):
+                row, col = r * 16 + g + 8 * (i // 2), nt * 8 + c * 2 + i % 2
+                parts.append(smem[(s * RR + row) * CP + col].store(acc[i]))
+    parts = UOp.group(*parts)
+    nthr, total = 32 * S, RR * NC
+    K = -(-total // nthr)
+    kk = UOp.range(K, 5) if K > 1 else UOp.const(0, tid.dtype)
+    o = kk * nthr + tid
+    o = (o < total).where(o, total - 1) if K * nthr > total else o
+    row, lcol = o % RR, o // RR
+    col = column(lcol, NC)
+    acc = UOp.placeholder((1,), F32, 60, addrspace=AddrSpace.REG)
+    si = UOp.range(S, 6, AxisType.REDUCE)
+    acc = acc.after(tg, *lanes, *((kk,) if K > 1 else ()), parts)[0].set(0.0)
+    y = acc[0].set(acc.after(si)[0] + smem.after(parts)[(si * RR + row) * CP + lcol], end=si)[0]
+    if scale is not None:
+        y = y * scale(lcol)
+    if res is not None:
+        y = y + res[col, tg * RR + row]
+    st = out[col, tg * RR + row].store(y)
+    return st.end(kk) if K > 1 else st
 
 
 def _inv_rms(ssp: UOp, tid: UOp, tg: UOp, lanes: tuple, NC: int, nthr: int, C: int, eps: float) -> UOp:
