@@ -144,12 +144,14 @@ def test_tiles_a_warp_and_blocks_a_loop_step_change_no_bits(monkeypatch, qtype, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype,x8", [("Q8_0", True), ("Q4_0", True), ("Q8_0", False)])
+@pytest.mark.parametrize("qtype,x8", [("Q8_0", True), ("Q4_0", True)])
 def test_a_serving_stage_keeps_each_sequences_bits(tmp_path, monkeypatch, qtype, x8):
     """MESH_GPU_TC_X8=1: a tensor-core stage's matmuls quantize x (the norm and silu(gate) * up in the quantize
     kernel). A sequence's logits alone over a split are the bits of the same sequence unsharded beside another
-    one, prompt and decode step; and they are near the bf16 kernel's (x's 8 bits). The bf16 kernel on Q8_0
-    weights too (engine/matvec_gpu_tc.py's own test takes Q4_0)."""
+    one, prompt and decode step; and they are near the bf16 kernel's (x's 8 bits).
+    On CUDA (MESH_GPU_TEST_DEV=CUDA, sixteenth session) the Q8_0 case fails: logits 1 ulp apart (22 of 32), while
+    Q4_0 passes and so does the bf16 kernel on the same Q8_0 model (x8 False, run there): not explained yet, the
+    reason MESH_GPU_TC_X8 stays off by default (NOTES "8-bit x on the tensor cores")."""
     from engine.stage import Stage
     from tests.test_matvec_tc import _greedy
     from tests.tiny_gguf import write_tiny_gguf
