@@ -10,7 +10,9 @@ Q4_0's nibbles after one mask.
 
 Numerics: llama.cpp's CUDA kernels quantize x the same way (q8_1), as engine/quant_i8.py does on the CPU (the
 lead's decision there, thirteenth session): per block of 32, d = amax / 127, q = rint(v / d) (the inverse
-multiplied; rint by the 1.5 * 2^23 add). The integer sums are exact; per block, in block order,
+multiplied; rint by the 1.5 * 2^23 add, which nvcc fuses with the multiply into one FFMA, and tinygrad's rewrites
+make the inverse 127 / amax: the quants are a function of the block's values alone either way, not numpy's to the
+bit in every tie). The integer sums are exact; per block, in block order,
     acc = acc + float(isum) * (d_w * d_x)      isum = sum q_w q_x (Q4_0: sum n q_x - 8 sum q_x, the -8 sum in C)
 A fused RMS norm quantizes x * w and puts 1 / rms into d_x; silu(gate) * up is made in the quantize kernel.
 A column's result depends on its own x alone (its MMA column, its d_x) and the order of the float steps on the
@@ -39,7 +41,9 @@ ROUND = 12582912.0  # 1.5 * 2^23: v + ROUND rounds v to an integer (ties to even
 
 
 def x8_wanted() -> bool:
-    """Whether a tensor-core stage quantizes x to 8 bits (MESH_GPU_TC_X8=1; off by default until measured)."""
+    """Whether a tensor-core stage quantizes x to 8 bits (MESH_GPU_TC_X8=1). Off by default: faster at every width on
+    the H200, but a serving-stage test of a Q8_0 model does not give equal bits alone and batched on CUDA yet (NOTES
+    "8-bit x on the tensor cores")."""
     return os.environ.get("MESH_GPU_TC_X8", "0") == "1"
 
 
