@@ -172,8 +172,12 @@ def test_a_serving_stage_keeps_each_sequences_bits(tmp_path, monkeypatch, qtype,
         whole, split = [load(0, 2)], [load(0, 1), load(1, 2)]
         assert all(st.tensor_cores for st in whole + split)
         alone = _greedy(split, {0: a}, 1)[0]
+        whole_alone = _greedy(whole, {0: a}, 1)[0]
         beside = _greedy(whole, {0: a, 1: b}, 1)[0]
     assert np.array_equal(alone[0], bf16[0]) != x8  # the 8-bit path ran (or not)
-    for x, y, z in zip(alone, beside, bf16):
-        np.testing.assert_array_equal(x, y)
+    for k, (x, w, y, z) in enumerate(zip(alone, whole_alone, beside, bf16)):
+        step = "prompt" if k == 0 else f"decode step {k}"
+        # two contracts apart, so that a failure names which: a split, then a batch
+        np.testing.assert_array_equal(x, w, err_msg=f"{step}: over a split against unsharded, alone")
+        np.testing.assert_array_equal(w, y, err_msg=f"{step}: alone against beside another sequence, unsharded")
         assert np.abs(x - z).max() < 0.05 * np.abs(z).max()
