@@ -169,6 +169,15 @@ profile() {  # profile <file>: one decode step's GPU time per kernel kind (bench
   DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$1.gguf 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
 }
 
+tc_ab() {  # tc_ab <file> <batch> <limit> <variant...>: bench/decode_ab.py of tensor-core stage variants, time allowing
+  local f=$1 b=$2 l=$(( $(left) - 10 )); [ "$l" -gt "$3" ] && l=$3; shift 3
+  [ "$l" -gt 50 ] || { echo "skip decode_ab $f batch $b: no time"; return; }
+  echo "== decode_ab $f $b columns at 128: $* (limit ${l}s)"
+  local args=(); for v in "$@"; do args+=(--variant "$v"); done
+  MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$f.gguf --batch $b --positions 128 \
+    --rounds 3 --steps 20 --greedy "${args[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+}
+
 case $phase in
 one)
   {
@@ -1075,18 +1084,11 @@ s16)  # sixteenth session (issue 11): the tensor-core matvec with x in 8 bits (e
       --tc-layouts $lays 2>&1 | grep -v Warning > "$OUT/mv_$n.txt"
     sed -n '/^summary/,$p' "$OUT/mv_$n.txt" | grep "tc\|s8" | tee -a "$OUT/matvec.txt"
   done
-  V="${S16_VARIANTS:-bf16= x8=MESH_GPU_TC_X8=1 x8w=MESH_GPU_TC_X8=1;MESH_GPU_TC_WARPS=2048}"
-  for b in 16 1; do
-    l=$(lim 130); [ "$l" -gt 60 ] || { echo "skip decode_ab batch $b: no time"; continue; }
-    echo "== decode_ab $b columns at 128: $V (limit ${l}s)"
-    args=(); for v in $V; do args+=(--variant "$v"); done
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch $b --positions 128 \
-      --rounds 3 --steps 20 --greedy "${args[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
-  done
+  for b in 16 1; do tc_ab $F $b 130 ${S16_VARIANTS:-bf16= x8=MESH_GPU_TC_X8=1 x8w=MESH_GPU_TC_X8=1;MESH_GPU_TC_WARPS=2048}; done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s16b)  # sixteenth session (issue 11), after s16 (the quantize kernel a thread a block, s8 at WARPS every width): the s8
-  # tests on CUDA (with a serving stage of Q4_0 and Q8_0, and the bf16 kernel on Q8_0), decode_ab of the 1.1B step at 16
+  # tests on CUDA (with a serving stage of Q4_0 and of Q8_0; the failing one names its contract), decode_ab of the 1.1B step at 16
   # and 1 column, serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0 step if time is left
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
@@ -1097,21 +1099,14 @@ s16b)  # sixteenth session (issue 11), after s16 (the quantize kernel a thread a
   l=$(lim 120); echo "== tests on CUDA: tests/test_matvec_s8.py (limit ${l}s)"
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_s8.py \
     2>&1 | grep -v "Warning\|warn" | grep "passed\|failed\|FAILED\|Error\|Mismatch\|index\|diff" | tail -20 | tee "$OUT/pytest_cuda.txt"
-  for b in 16 1; do
-    l=$(lim 100); [ "$l" -gt 50 ] || { echo "skip decode_ab batch $b: no time"; continue; }
-    echo "== decode_ab 1.1b $b columns at 128: bf16 / x8 (limit ${l}s)"
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/$F.gguf --batch $b --positions 128 \
-      --rounds 3 --steps 20 --greedy --variant bf16= --variant x8=MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
-  done
+  for b in 16 1; do tc_ab $F $b 100 bf16= x8=MESH_GPU_TC_X8=1; done
   l=$(lim 230); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_X8=1 (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
       --rounds ${S16B_ROUNDS:-1} --ab-env MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"; }
+  wait
   for b in 16 1; do
-    [ -f $M/.8b-Q4_0 ] || { echo "skip decode_ab 8b: the file is not written yet"; break; }
-    l=$(lim 100); [ "$l" -gt 60 ] || { echo "skip decode_ab 8b batch $b: no time"; continue; }
-    echo "== decode_ab 8b-Q4_0 $b columns at 128: bf16 / x8 (limit ${l}s)"
-    MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/decode_ab.py --model $M/8b-Q4_0.gguf --batch $b --positions 128 \
-      --rounds 3 --steps 20 --greedy --variant bf16= --variant x8=MESH_GPU_TC_X8=1 2>&1 | grep -v Warning | tee -a "$OUT/ab.txt"
+    [ -f $M/.8b-Q4_0 ] || { echo "skip decode_ab 8b: the file is not written (S16B_8B=1 writes it)"; break; }
+    tc_ab 8b-Q4_0 $b 100 bf16= x8=MESH_GPU_TC_X8=1
   done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
