@@ -84,12 +84,14 @@ def _bytes(word: UOp) -> list[UOp]:
     return [((word >> (8 * j)) & 0xFF if j else word & 0xFF).cast(dtypes.uint8).bitcast(I8) for j in range(4)]
 
 
-def _quantize_kernel(eps: float | None, glu: bool):
-    """custom_kernel(xq (N, C/4) u32, xd (C/32, N) f32, xs (C/32, N) i32, x (N, C, or 2C with glu) f32, [norm w]):
+def _quantize_kernel(eps: float | None, glu: bool, sums: bool):
+    """custom_kernel(xq (N, C/4) u32, xd (C/32, N) f32, [xs (C/32, N) i32 with `sums`], x (N, C, or 2C with glu)
+    f32, [norm w]):
     a thread block a column, a thread a block of 32 (up to 1024 threads; past that thread t takes blocks t, t + P,
     ...). With the norm, each thread sums its blocks' squares first (values in order), and the P partials meet in
     shared memory in two levels of sums in order (groups of K, then the groups), the same for every thread."""
-    def kernel(xq: UOp, xd: UOp, xs: UOp, x: UOp, *norm_w: UOp) -> UOp:
+    def kernel(xq: UOp, xd: UOp, *rest: UOp) -> UOp:
+        xs, x, *norm_w = rest if sums else (None, *rest)
         N, C = xq.shape[0], xq.shape[1] * 4
         nb = C // BLOCK
         P = max(p for p in range(1, min(nb, 1024) + 1) if nb % p == 0)
@@ -142,27 +144,30 @@ def _quantize_kernel(eps: float | None, glu: bool):
                 byte = qs[4 * w + j].bitcast(U32) & 0xFF
                 word = word | (byte << (8 * j)) if j else byte
             stores.append(xq[n, b * (BLOCK // 4) + w].store(word))
-        s = qs[0]
-        for q in qs[1:]:
-            s = s + q
-        stores.append(xs[b, n].store(s))
+        if sums:
+            s = qs[0]
+            for q in qs[1:]:
+                s = s + q
+            stores.append(xs[b, n].store(s))
         stores.append(xd[b, n].store(d * rs if rs is not None else d))
-        name = f"q8xtc_{N}x{C}" + ("_norm" if norm_w else "") + ("_glu" if glu else "")
+        name = f"q8xtc_{N}x{C}" + ("_norm" if norm_w else "") + ("_glu" if glu else "") + ("_sums" if sums else "")
         return UOp.group(*stores).end(bi).sink(arg=KernelInfo(name=name, opts_to_apply=()))
     return kernel
 
 
-def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = False,
+             sums: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
     """x (N, C) f32 (with `glu`: (N, 2C) [gate | up], silu(gate) * up quantized) -> (q (N, C/4) uint32: 4 int8 a word,
-    d (C/32, N) f32: a block's scale (times 1 / rms with `norm`), s (C/32, N) int32: a block's sum of q)."""
+    d (C/32, N) f32: a block's scale (times 1 / rms with `norm`), s (C/32, N) int32: a block's sum of q, or None
+    without `sums`: a buffer no kernel reads is not written)."""
     N, C = x.shape[0], x.shape[1] // (2 if glu else 1)
     q = Tensor.empty(N, C // 4, dtype=U32, device=x.device)
     d = Tensor.empty(C // BLOCK, N, dtype=F32, device=x.device)
-    s = Tensor.empty(C // BLOCK, N, dtype=I32, device=x.device)
+    s = [Tensor.empty(C // BLOCK, N, dtype=I32, device=x.device)] if sums else []
     w = [] if norm is None else [norm[0].cast(F32).contiguous()]
-    q, d, s, *_ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), *w,
-                                       fxn=_quantize_kernel(None if norm is None else float(norm[1]), glu))
-    return q, d, s
+    q, d, *rest = Tensor.custom_kernel(q, d, *s, x.cast(F32).contiguous(), *w,
+                                       fxn=_quantize_kernel(None if norm is None else float(norm[1]), glu, sums))
+    return q, d, rest[0] if sums else None
 
 
 def s8_layout(tiles: int, nb: int, n: int) -> tuple[int, int] | None:
@@ -254,9 +259,9 @@ def s8_matmul_t(words: Tensor, scales: Tensor, ggml_type: int, x: Tensor, *, nor
     """x (N, cols) @ W.T -> (N, rows) f32 with W in the tensor-core layout, x quantized to 8 bits a block of 32;
     `norm` (weight, eps) and `glu` (x (N, 2 cols) [gate | up]) in the quantize kernel, `residual` added at the end."""
     T = words.shape[0]
-    xq, xd, xs = quantize(x, norm, glu)
+    q4 = ggml_type == Q.Q4_0  # Q8_0's weights are signed: no -8 sum q_x to take off, no sums made
+    xq, xd, xs = quantize(x, norm, glu, sums=q4)
     out = Tensor.empty(x.shape[0], T * 16, dtype=F32, device=words.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     kern = s8_matvec_kernel(Q(ggml_type).name.lower(), ggml_type, residual is not None)
-    sums = [xs] if ggml_type == Q.Q4_0 else []  # Q8_0's weights are signed: no -8 sum q_x to take off
-    return Tensor.custom_kernel(out, words, scales, xq, xd, *sums, *extra, fxn=kern)[0]
+    return Tensor.custom_kernel(out, words, scales, xq, xd, *([xs] if q4 else []), *extra, fxn=kern)[0]
