@@ -86,9 +86,8 @@ def _bytes(word: UOp) -> list[UOp]:
 
 def _quantize_kernel(eps: float | None, glu: bool, sums: bool):
     """custom_kernel(xq (N, C/4) u32, xd (C/32, N) f32, [xs (C/32, N) i32 with `sums`], x (N, C, or 2C with glu)
-    f32, [norm w]):
-    a thread block a column, a thread a block of 32 (up to 1024 threads; past that thread t takes blocks t, t + P,
-    ...). With the norm, each thread sums its blocks' squares first (values in order), and the P partials meet in
+    f32, [norm w]). A thread block a column, a thread a block of 32 (up to 1024 threads; past that thread t takes
+    blocks t, t + P, ...). With the norm, each thread sums its blocks' squares first (values in order), and the P partials meet in
     shared memory in two levels of sums in order (groups of K, then the groups), the same for every thread."""
     def kernel(xq: UOp, xd: UOp, *rest: UOp) -> UOp:
         xs, x, *norm_w = rest if sums else (None, *rest)
