@@ -169,6 +169,11 @@ profile() {  # profile <file>: one decode step's GPU time per kernel kind (bench
   DEV=CUDA timeout $lim python3 bench/decode_profile.py --model $M/$1.gguf 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
 }
 
+lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }  # lim <most>: seconds for the next step
+synth_once() {  # synth_once <file> <shape> <type> [log]: bench/synth_gguf.py writes $M/<file>.gguf once a machine
+  [ -f $M/.$1 ] || { python3 bench/synth_gguf.py $M/$1.gguf --shape $2 --type $3 > "$OUT/${4:-synth.txt}" 2>&1; touch $M/.$1; }
+}
+
 tc_ab() {  # tc_ab <file> <batch> <limit> <variant...>: bench/decode_ab.py of tensor-core stage variants, time allowing
   local f=$1 b=$2 l=$(( $(left) - 10 )); [ "$l" -gt "$3" ] && l=$3; shift 3
   [ "$l" -gt 50 ] || { echo "skip decode_ab $f batch $b: no time"; return; }
@@ -1071,8 +1076,7 @@ s16)  # sixteenth session (issue 11): the tensor-core matvec with x in 8 bits (e
   # the s8 stage against the bf16 one at 16 and 1 column (greedy ids of each variant printed)
   { date -u; nproc; uptime; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
-  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
-  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
+  synth_once $F 1.1b Q8_0
   l=$(lim 120); echo "== tests on CUDA: tests/test_matvec_s8.py (limit ${l}s)"
   DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_matvec_s8.py \
     2>&1 | grep -v "Warning\|warn" | tail -12 | tee "$OUT/pytest_cuda.txt"
@@ -1088,17 +1092,18 @@ s16)  # sixteenth session (issue 11): the tensor-core matvec with x in 8 bits (e
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s16b)  # sixteenth session (issue 11), after s16 (the quantize kernel a thread a block, s8 at WARPS every width): the s8
-  # tests on CUDA (with a serving stage of Q4_0 and of Q8_0; the failing one names its contract), decode_ab of the 1.1B step at 16
-  # and 1 column, serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0 step if time is left
+  # tests on CUDA (with a serving stage of Q4_0 and of Q8_0; the failing one names its contract), decode_ab of the
+  # 1.1B step at 16 and 1 column, serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0
+  # step if time is left
   { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
   F=1.1b-Q8_0
-  [ -f $M/.$F ] || { python3 bench/synth_gguf.py $M/$F.gguf --shape 1.1b --type Q8_0 > "$OUT/synth.txt" 2>&1; touch $M/.$F; }
-  lim() { local l=$(( $(left) - 10 )); [ "$l" -gt "$1" ] && l=$1; echo $l; }
-  [ "${S16B_8B:-0}" = 1 ] && ( [ -f $M/.8b-Q4_0 ] || { nice python3 bench/synth_gguf.py $M/8b-Q4_0.gguf --shape 8b \
-    --type Q4_0 > "$OUT/synth8.txt" 2>&1; touch $M/.8b-Q4_0; } ) &  # S16B_8B=1: the 8B file too (beside the rest)
+  synth_once $F 1.1b Q8_0
+  # S16B_8B=1: the 8B file too, written beside the rest (niced)
+  [ "${S16B_8B:-0}" = 1 ] && ( renice -n 10 $BASHPID > /dev/null; synth_once 8b-Q4_0 8b Q4_0 synth8.txt ) &
   l=$(lim 120); echo "== tests on CUDA: tests/test_matvec_s8.py (limit ${l}s)"
-  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore -rf tests/test_matvec_s8.py \
-    2>&1 | grep -v "Warning\|warn" | grep "passed\|failed\|FAILED\|Error\|Mismatch\|index\|diff" | tail -20 | tee "$OUT/pytest_cuda.txt"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore -rf \
+    tests/test_matvec_s8.py 2>&1 | grep -v "Warning\|warn" | grep "passed\|failed\|FAILED\|Error\|Mismatch\|index\|diff" \
+    | tail -20 | tee "$OUT/pytest_cuda.txt"
   for b in 16 1; do tc_ab $F $b 100 bf16= x8=MESH_GPU_TC_X8=1; done
   l=$(lim 230); [ "$l" -gt 120 ] && { echo "== serve_bench local 1,16 --ab-env MESH_GPU_TC_X8=1 (limit ${l}s)"
     MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \

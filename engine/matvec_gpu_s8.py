@@ -32,7 +32,8 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.renderer.cstyle import CUDARenderer, _wmma_name
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from .matvec_gpu_tc import GROUP, SHARED_BYTES, SPLIT, WARPS, accumulators, column_of, partials_out, tc_unroll
+from .matvec_gpu_tc import (GROUP, SPLIT, WARPS, accumulators, column_of, partials_out, tc_unroll, tile_loads,
+                            tiles_a_warp, warps_a_row)
 
 F32, U32, I32, I8 = dtypes.float32, dtypes.uint32, dtypes.int32, dtypes.int8
 BLOCK = 32
@@ -87,8 +88,9 @@ def _bytes(word: UOp) -> list[UOp]:
 def _quantize_kernel(eps: float | None, glu: bool, sums: bool):
     """custom_kernel(xq (N, C/4) u32, xd (C/32, N) f32, [xs (C/32, N) i32 with `sums`], x (N, C, or 2C with glu)
     f32, [norm w]). A thread block a column, a thread a block of 32 (up to 1024 threads; past that thread t takes
-    blocks t, t + P, ...). With the norm, each thread sums its blocks' squares first (values in order), and the P partials meet in
-    shared memory in two levels of sums in order (groups of K, then the groups), the same for every thread."""
+    blocks t, t + P, ...). With the norm, each thread sums its blocks' squares first (values in order), and the P
+    partials meet in shared memory in two levels of sums in order (groups of K, then the groups), the same for every
+    thread."""
     def kernel(xq: UOp, xd: UOp, *rest: UOp) -> UOp:
         xs, x, *norm_w = rest if sums else (None, *rest)
         N, C = xq.shape[0], xq.shape[1] * 4
@@ -174,12 +176,8 @@ def s8_layout(tiles: int, nb: int, n: int) -> tuple[int, int] | None:
     keep the grid at WARPS warps and fit the S partials in shared memory. At every width: the bf16 kernel's fewer,
     fuller warps at 8+ columns (WIDE_WARPS) shared a warp's split of x, which this kernel does not make; on the H200
     the 1.1B step at 16 columns took 1.90 ms at WARPS against 2.24 at WIDE_WARPS (bench/RESULTS.md)."""
-    most = int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT))
-    warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS))
-    S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
-    nt = -(-n // 8)
-    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * (8 * nt + 1) * 4 <= SHARED_BYTES
-            and (tiles // d * S >= warps or d == 1)]
+    S = warps_a_row(nb, int(os.environ.get("MESH_GPU_TC_SPLIT", SPLIT)))
+    fits = tiles_a_warp(tiles, S, n, int(os.environ.get("MESH_GPU_TC_WARPS", WARPS)))
     return (S, max(fits)) if fits else None
 
 
@@ -188,7 +186,7 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
     xq, xd, [xs] (`quantize`'s; xs for Q4_0 only), [residual (N, rows) f32]). Every buffer passed is read: a CUDA
     graph node with more arguments than its kernel's parameters is refused (engine/matvec_gpu_tc.py)."""
     def kernel(out: UOp, words: UOp, scales: UOp, xq: UOp, xd: UOp, *extra: UOp) -> UOp:
-        T, nb, _, LW = words.shape
+        T, nb = words.shape[:2]
         N = xq.shape[0]
         xs = extra[0] if ggml_type == Q.Q4_0 else None
         res = extra[-1] if residual else None
@@ -207,8 +205,8 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
         column = column_of(N, NC, group, NG, gn)
         U = tc_unroll(nb // S)
         bi = UOp.range(nb // S // U, 4, AxisType.REDUCE)
-        bs = [(bi * U + u) * S + s if S > 1 else bi * U + u for u in range(U)] if U > 1 else \
-            [bi * S + s if S > 1 else bi]
+        ks = [bi * U + u for u in range(U)] if U > 1 else [bi]  # the warp's blocks s, s + S, ..., U a loop step
+        bs = [k * S + s if S > 1 else k for k in ks]
         lane = tid % 32
         # B: column nt * 8 + g, the 8 values of MMA slots 4c..4c+3 and 4c+16..4c+19 (the A fragment's k order:
         # Q8_0 bytes 8c..8c+7 of the block, Q4_0 values 4c..4c+3 and 4c+16..4c+19: words c and c + 4)
@@ -224,9 +222,7 @@ def s8_matvec_kernel(name: str, ggml_type: int, residual: bool = False):
         accs = accumulators(R * NT, tg, lanes)
         stores = []
         for r in range(R):
-            t = tg * R + r
-            wds = [[words[t, b, lane, k] for k in range(LW)] for b in bs]  # every block's loads before any use
-            ds = [[scales[t, b, g, h].cast(F32) for h in range(2)] for b in bs]
+            wds, ds = tile_loads(words, scales, tg * R + r, bs, lane, g)
             parts = []
             for u in range(len(bs)):
                 w = wds[u]

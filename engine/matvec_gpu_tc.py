@@ -164,11 +164,9 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
     long = not shared_split(1, nb * 32, SPLIT, 1)
     most = int(os.environ.get("MESH_GPU_TC_SPLIT", 2 * SPLIT if long else SPLIT))
     warps = int(os.environ.get("MESH_GPU_TC_WARPS", WARPS if n < 8 else WIDE_WARPS))
-    S = max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
-    nt = -(-n // 8)
+    S = warps_a_row(nb, most)
     extra = n * (32 * S + 16 + 1) * 4 if norm else 0  # the squares' partials, their 16 sums and 1 / rms a column
-    fits = [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * (8 * nt + 1) * 4 + extra <= SHARED_BYTES
-            and (tiles // d * S >= warps or d == 1)]
+    fits = tiles_a_warp(tiles, S, n, warps, extra)
     shared = [d for d in fits if shared_split(n, nb * 32, S, d, extra)]
     if not fits:  # n columns' partials do not fit: the caller takes fewer columns a thread block
         return None
@@ -176,6 +174,19 @@ def tc_layout(tiles: int, nb: int, n: int, norm: bool = False) -> tuple[int, int
 
 
 SHARED_BYTES = 49152  # tinygrad's CUDA shared-memory limit a block
+
+
+def warps_a_row(nb: int, most: int) -> int:
+    """S, the warps sharing a row's nb blocks: the most up to `most` that divide nb (the order of the sums)."""
+    return max(d for d in range(1, min(most, nb) + 1) if nb % d == 0)
+
+
+def tiles_a_warp(tiles: int, S: int, n: int, warps: int, extra: int = 0) -> list[int]:
+    """The R (tiles of 16 rows a warp) of 1, 2, 4, 8 that divide the tiles, fit the S warps' partials of n columns
+    (and `extra` bytes) in shared memory, and keep at least `warps` warps in the grid (R = 1 always may)."""
+    nt = -(-n // 8)
+    return [d for d in (1, 2, 4, 8) if tiles % d == 0 and S * 16 * d * (8 * nt + 1) * 4 + extra <= SHARED_BYTES
+            and (tiles // d * S >= warps or d == 1)]
 
 
 def tc_unroll(steps: int) -> int:
@@ -267,7 +278,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
     passes a kernel all of its call's buffers, used or not, and the driver refuses a node whose arguments outnumber
     the kernel's parameters (`cuGraphAddKernelNode`: CUDA Error 1)."""
     def kernel(out: UOp, words: UOp, scales: UOp, x: UOp, magic: UOp, *extra: UOp) -> UOp:
-        T, nb, _, LW = words.shape
+        T, nb = words.shape[:2]
         N = x.shape[0]
         norm_w = extra[0] if norm is not None else None
         res = extra[-1] if residual else None
@@ -338,9 +349,7 @@ def tc_matvec_kernel(name: str, ggml_type: int, norm: float | None = None, resid
         accs = accumulators(R * NT, tg, lanes)
         stores = []
         for r in range(R):
-            t = tg * R + r
-            wds = [[words[t, b, lane, k] for k in range(LW)] for b in bs]  # every block's loads before any use
-            ds = [[scales[t, b, g, h].cast(F32) for h in range(2)] for b in bs]
+            wds, ds = tile_loads(words, scales, tg * R + r, bs, lane, g)
             parts = [[None] * NT for _ in bs]
             for u, bvec in enumerate(bvecs):
                 A = _decode(ggml_type, wds[u], magic)
@@ -389,6 +398,13 @@ def column_of(N: int, NC: int, group: int, NG: int, gn: UOp | None):
         n = local if gn is None else gn * group + local
         return (n < N).where(n, N - 1) if NG * group > N or bound > NC else n
     return column
+
+
+def tile_loads(words: UOp, scales: UOp, t: UOp, bs: list[UOp], lane: UOp, g: UOp) -> tuple[list, list]:
+    """Row tile t's loads for the loop step's blocks `bs`, every block's before any is used: the lane's words of each
+    block and its two rows' scales (rows g, g + 8) as f32."""
+    wds = [[words[t, b, lane, k] for k in range(words.shape[3])] for b in bs]
+    return wds, [[scales[t, b, g, h].cast(F32) for h in range(2)] for b in bs]
 
 
 def accumulators(count: int, tg: UOp, lanes: tuple) -> list[UOp]:
