@@ -105,6 +105,8 @@
 #                              16 and 1 columns (bf16 and s8 side by side), decode_ab of the s8 stage at 16 and 1 column
 #   bench/h200_synth.sh s16b   a fresh machine: the s8 tests on CUDA, decode_ab of the 1.1B step bf16 against s8,
 #                              serve_bench 1,16 on 1.1b-Q8_0 with and without MESH_GPU_TC_X8=1, then the 8B Q4_0 step
+#   bench/h200_synth.sh s17    a fresh machine: bench/s8_bisect.py on CUDA (which s8 kernel parts a sequence's bits alone
+#                              and batched), the serving-stage tests on CUDA, decode_ab of the 8B Q4_0 step bf16 vs s8
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -121,7 +123,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1113,6 +1115,23 @@ s16b)  # sixteenth session (issue 11), after s16 (the quantize kernel a thread a
     [ -f $M/.8b-Q4_0 ] || { echo "skip decode_ab 8b: the file is not written (S16B_8B=1 writes it)"; break; }
     tc_ab 8b-Q4_0 $b 100 bf16= x8=MESH_GPU_TC_X8=1
   done
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s17)  # seventeenth session (issue 11), a fresh machine: where the Q8_0 serving stage's s8 bits part (bench/s8_bisect.py:
+  # every s8 matmul's x, q, d and result, a sequence alone against beside another), the serving tests on CUDA, and
+  # the 8B Q4_0 step bf16 against s8 (decode_ab at 16 and 1 column; the file written in the background meanwhile)
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  ( renice -n 10 $BASHPID > /dev/null; synth_once 8b-Q4_0 8b Q4_0 synth8.txt ) &
+  for q in Q8_0 Q4_0; do
+    l=$(lim 150); echo "== s8_bisect $q (limit ${l}s)"
+    DEV=CUDA timeout $l python3 bench/s8_bisect.py --qtype $q --steps 2 2>&1 | grep -v Warning | tee "$OUT/bisect_$q.txt" \
+      | grep -v " equal$" | tail -40
+  done
+  l=$(lim 120); echo "== tests on CUDA: serving stage (limit ${l}s)"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -q -p no:cacheprovider -W ignore -rf \
+    tests/test_matvec_s8.py -k serving 2>&1 | grep -v "Warning\|warn" | tail -30 | tee "$OUT/pytest_cuda.txt"
+  wait
+  for b in 16 1; do tc_ab 8b-Q4_0 $b 110 bf16= x8=MESH_GPU_TC_X8=1; done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own
