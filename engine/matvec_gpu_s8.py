@@ -29,8 +29,9 @@ import os
 from gguf import GGMLQuantizationType as Q
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
+from tinygrad.helpers import strip_parens
 from tinygrad.renderer.cstyle import CUDARenderer, _wmma_name
-from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinygrad.uop.ops import AxisType, GroupOp, KernelInfo, Ops, PatternMatcher, UPat
 
 from .matvec_gpu_tc import (GROUP, SPLIT, WARPS, accumulators, column_of, partials_out, tc_unroll, tile_loads,
                             tiles_a_warp, warps_a_row)
@@ -42,10 +43,10 @@ ROUND = 12582912.0  # 1.5 * 2^23: v + ROUND rounds v to an integer (ties to even
 
 
 def x8_wanted() -> bool:
-    """Whether a tensor-core stage quantizes x to 8 bits (MESH_GPU_TC_X8=1). Off by default: faster at every width on
-    the H200, but a serving-stage test of a Q8_0 model does not give equal bits alone and batched on CUDA yet (NOTES
-    "8-bit x on the tensor cores")."""
-    return os.environ.get("MESH_GPU_TC_X8", "0") == "1"
+    """Whether a tensor-core stage quantizes x to 8 bits: yes unless MESH_GPU_TC_X8=0 (the bf16 kernel, for A/B runs).
+    On the H200 the 16-column step is 23-34% shorter (1.1B and 8B shapes), the one-column step 1-6% longer
+    (bench/RESULTS.md, sixteenth and seventeenth sessions); a serving stage is for many columns."""
+    return os.environ.get("MESH_GPU_TC_X8", "1") != "0"
 
 
 def s8_renderer(device: str) -> bool:
@@ -59,8 +60,24 @@ def s8_renderer(device: str) -> bool:
     return isinstance(ren, S8CUDARenderer)
 
 
+def _alu_in_order(ctx, x: UOp) -> str:
+    """An ALU op in C with its sources' parentheses kept where C's left-to-right grouping would change a float result.
+    tinygrad 0.14's C renderer drops them around any source of the same associative op, so a float a * (b * c) is
+    written a * b * c, which C computes as (a * b) * c. Here only the first source (C's own grouping) and integer
+    ones lose them. Found on the H200 (bench/s8_bisect.py): `isum * (d_w * d_x)` kept its grouping where d_w * d_x
+    had two uses (a one-column kernel: both of a lane's columns are column 0) and lost it elsewhere, so a column's
+    bits alone and in a batch differed by an ulp."""
+    assoc = {Ops.ADD, Ops.MUL, Ops.XOR, Ops.OR, Ops.AND}
+    return ctx.code_for_op[x.op](*[strip_parens(ctx[v]) if v.op is x.op and x.op in assoc and
+                                   (i == 0 or not dtypes.is_float(x.dtype)) else ctx[v] for i, v in enumerate(x.src)],
+                                 x.dtype)
+
+
 class S8CUDARenderer(CUDARenderer):
-    """tinygrad's CUDA C renderer, with the s8 form of mma.sync for the WMMA ops whose inputs are int8."""
+    """tinygrad's CUDA C renderer, with the s8 form of mma.sync for the WMMA ops whose inputs are int8, and float
+    sums and products grouped as the UOps group them (`_alu_in_order`)."""
+
+    string_rewrite = PatternMatcher([(UPat(GroupOp.ALU, name="x"), _alu_in_order)]) + CUDARenderer.string_rewrite
 
     def render_kernel(self, function_name, kernel, bufs, uops, prefix=None):
         s8 = {u for u in uops if u.op is Ops.WMMA and u.arg[1] == I8}

@@ -200,6 +200,7 @@ def test_a_serving_stage_takes_the_tensor_cores_and_keeps_each_sequences_tokens(
     from tinygrad.helpers import Context
     monkeypatch.delenv("MESH_GPU_MV", raising=False)
     monkeypatch.delenv("MESH_GPU_MV_TC", raising=False)
+    monkeypatch.setenv("MESH_GPU_TC_X8", "0")  # the bf16 kernel (8-bit x: tests/test_matvec_s8.py)
     p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=64, n_heads=2, n_kv_heads=1, ffn_dim=32,
                         vocab_size=32, qtype="Q4_0")  # few 16-row tiles: the emulator runs a thread block in ~0.2 s
     a, b = [3, 17, 22], [9, 5]
