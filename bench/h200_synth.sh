@@ -110,6 +110,7 @@
 #   bench/h200_synth.sh s17b   a fresh machine: the tc/s8/CUDA-graph tests on CUDA, serve_bench 1,16 on 1.1b-Q8_0 and
 #                              8b-Q4_0, 8-bit x (the default) against MESH_GPU_TC_X8=0
 #   bench/h200_synth.sh s17c   a fresh machine: the serving-stage tests on CUDA, serve_bench 1,16 on 1.1b-Q8_0, s8 vs bf16
+#   bench/h200_synth.sh s17d   a fresh machine: serve_bench 1,16 on 8b-Q4_0 with the defaults (s8)
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -126,7 +127,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1168,6 +1169,15 @@ s17c)  # a fresh machine: the serving-stage tests on CUDA (tc and s8), then serv
   l=$(lim 400); echo "== serve_bench $F local 1,16 --ab-env MESH_GPU_TC_X8=0 (limit ${l}s)"
   MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/$F.gguf --streams 1,16 --modes local \
     --rounds 1 --ab-env MESH_GPU_TC_X8=0 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s17d)  # a fresh machine: serve_bench 1,16 on the 8B Q4_0 file with the defaults (8-bit x on the tensor cores); the
+  # bf16 figure is s17b's
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  synth_once 8b-Q4_0 8b Q4_0 synth8.txt
+  l=$(lim 400); echo "== serve_bench 8b-Q4_0 local 1,16 (limit ${l}s)"
+  MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/8b-Q4_0.gguf --streams 1,16 --modes local \
+    --rounds 1 2>&1 | grep -v Warning | tee -a "$OUT/serve8.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own
