@@ -35,19 +35,19 @@ def main() -> None:
     from tests.test_matvec_tc import _greedy
     from tests.tiny_gguf import write_tiny_gguf
 
-    calls: list[tuple[str, list]] = []  # (what, tensors), in call order
+    calls: list[tuple[str, dict]] = []  # (what, {name: tensor}), in call order
     quantize, matmul = s8.quantize, s8.s8_matmul_t
 
     def rec_quantize(x, norm=None, glu=False, sums=True):
         q, d, s = quantize(x, norm, glu, sums)
         # a stage's input buffer is rewritten every step: its x is not kept (compare q and d there)
         calls.append(("quantize" + ("+norm" if norm else "") + ("+glu" if glu else ""),
-                      [None if x.uop.is_realized else x, q, d.T]))
+                      {"x": None if x.uop.is_realized else x, "q": q, "d": d.T}))
         return q, d, s
 
     def rec_matmul(words, scales, ggml_type, x, **kw):
         out = matmul(words, scales, ggml_type, x, **kw)
-        calls.append((f"matmul {tuple(words.shape)}" + ("+res" if kw.get("residual") is not None else ""), [out]))
+        calls.append((f"matmul {tuple(words.shape)}" + ("+res" if kw.get("residual") is not None else ""), {"out": out}))
         return out
     s8.quantize, quant.s8_matmul_t = rec_quantize, rec_matmul
 
@@ -59,7 +59,7 @@ def main() -> None:
         st = Stage.load(p, 0, 2, n_slots=2, max_context=32, jit=False)
         calls.clear()
         logits = _greedy([st], seqs, args.steps)[0]
-        runs[name] = ([(w, [None if t is None else t.numpy() for t in ts]) for w, ts in calls], logits)
+        runs[name] = ([(w, {k: None if t is None else t.numpy() for k, t in ts.items()}) for w, ts in calls], logits)
     (ca, la), (cb, lb) = runs["alone"], runs["beside"]
     per = len(cb) // (1 + args.steps)  # the beside run: the two prompts in one step, then the decode steps
     if len(cb) % (1 + args.steps) or len(ca) % per or [w for w, _ in ca[:per]] != [w for w, _ in cb[:per]]:
@@ -78,20 +78,21 @@ def main() -> None:
             what, xa = ca[sa * per + j]
             xb = cb[sb * per + j][1]
             ja, jb = ia, ib
-            na, nb = (next(u.shape[0] for u in x if u is not None) for x in (xa, xb))
+            na, nb = (next(u.shape[0] for u in x.values() if u is not None) for x in (xa, xb))
             if nb < na or nb == 2 and t < len(a):  # the head: last columns only
                 if t != len(a) - 1:
                     continue
                 ja, jb = (0 if na < len(a) else ia), 0
             diffs = []
-            for k, (u, v) in enumerate(zip(xa, xb)):
+            for k in xa:
+                u, v = xa[k], xb[k]
                 if u is None or v is None:
                     continue
                 u, v = u[ja], v[jb]
                 bad = u != v
                 if bad.any():
                     fu, fv = u.astype(np.float64), v.astype(np.float64)
-                    diffs.append(f"t{k}: {int(bad.sum())}/{bad.size} differ, max |diff| {np.abs(fu - fv)[bad].max():.3g}")
+                    diffs.append(f"{k}: {int(bad.sum())}/{bad.size} differ, max |diff| {np.abs(fu - fv)[bad].max():.3g}")
             print(f"token {t} call {j:2d} {what:28s} {'equal' if not diffs else '; '.join(diffs)}")
             if diffs and first is None:
                 first = (t, j, what)
