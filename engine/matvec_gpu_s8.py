@@ -73,11 +73,14 @@ def _alu_in_order(ctx, x: UOp) -> str:
                                  x.dtype)
 
 
+ALU_IN_ORDER = PatternMatcher([(UPat(GroupOp.ALU, name="x"), _alu_in_order)])  # ahead of a C renderer's rules
+
+
 class S8CUDARenderer(CUDARenderer):
     """tinygrad's CUDA C renderer, with the s8 form of mma.sync for the WMMA ops whose inputs are int8, and float
     sums and products grouped as the UOps group them (`_alu_in_order`)."""
 
-    string_rewrite = PatternMatcher([(UPat(GroupOp.ALU, name="x"), _alu_in_order)]) + CUDARenderer.string_rewrite
+    string_rewrite = ALU_IN_ORDER + CUDARenderer.string_rewrite
 
     def render_kernel(self, function_name, kernel, bufs, uops, prefix=None):
         s8 = {u for u in uops if u.op is Ops.WMMA and u.arg[1] == I8}

@@ -186,23 +186,21 @@ def test_float_sums_and_products_keep_their_grouping_in_c():
     """tinygrad 0.14's C renderers drop the parentheses around any source of the same associative op, so a float
     a * (b * c) becomes a * b * c, which C computes as (a * b) * c: other bits, and which form a kernel gets can
     depend on how many uses a value has (a column alone or in a batch). The rule S8CUDARenderer renders ALU ops
-    with (`_alu_in_order`) keeps the grouping of float sources after the first; here in a C renderer that runs on
-    this machine, on the kernel tinygrad makes of a * (b * c) + (a + (b + c))."""
+    with (`ALU_IN_ORDER`) keeps the grouping of float sources after the first; here ahead of tinygrad's Clang rules,
+    rendered only (no compiler, no device), on the kernel tinygrad makes of a * (b * c) + (a + (b + c))."""
     import re
     from types import SimpleNamespace
     from tinygrad.codegen import to_program
     from tinygrad.helpers import Target
     from tinygrad.renderer.cstyle import ClangRenderer
-    from tinygrad.uop.ops import GroupOp, Ops, PatternMatcher, UPat
-    from engine.matvec_gpu_s8 import S8CUDARenderer, _alu_in_order
-    assert S8CUDARenderer.string_rewrite.patterns[0][1] is _alu_in_order
+    from tinygrad.uop.ops import Ops
+    from engine.matvec_gpu_s8 import ALU_IN_ORDER, S8CUDARenderer
+    assert S8CUDARenderer.string_rewrite.patterns[0] == ALU_IN_ORDER.patterns[0]
     a, b, c = (Tensor(np.arange(8, dtype=np.float32) + k, device="PYTHON").realize() for k in range(3))
     out = a * (b * c) + (a + (b + c))
     lin, _ = out.linear_with_vars()
     ast = next(u for u in lin.toposort() if u.op is Ops.SINK and u.arg is not None)
-    ordered = type("Ordered", (ClangRenderer,), {"string_rewrite": PatternMatcher([(UPat(GroupOp.ALU, name="x"),
-                                                                                   _alu_in_order)])
-                                                 + ClangRenderer.string_rewrite})
+    ordered = type("Ordered", (ClangRenderer,), {"string_rewrite": ALU_IN_ORDER + ClangRenderer.string_rewrite})
     ren = ordered(Target.parse("CPU::x86_64,native"))  # any arch: nothing is compiled
     ren.compiler = SimpleNamespace(compile_cached=lambda src: b"")  # rendered only: no C compiler, no CPU device
     src = next(s.arg for s in to_program(ast, ren).src if s.op is Ops.SOURCE)
