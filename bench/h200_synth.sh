@@ -111,6 +111,7 @@
 #                              8b-Q4_0, 8-bit x (the default) against MESH_GPU_TC_X8=0
 #   bench/h200_synth.sh s17c   a fresh machine: the serving-stage tests on CUDA, serve_bench 1,16 on 1.1b-Q8_0, s8 vs bf16
 #   bench/h200_synth.sh s17d   a fresh machine: serve_bench 1,16 on 8b-Q4_0 with the defaults (s8)
+#   bench/h200_synth.sh s17e   a fresh machine: s8_bisect on CUDA, the s8/tc/CUDA-graph tests on CUDA (the last tree)
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -127,7 +128,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, s17e, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1178,6 +1179,16 @@ s17d)  # a fresh machine: serve_bench 1,16 on the 8B Q4_0 file with the defaults
   l=$(lim 400); echo "== serve_bench 8b-Q4_0 local 1,16 (limit ${l}s)"
   MESH_GPU_MV=tc DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/8b-Q4_0.gguf --streams 1,16 --modes local \
     --rounds 1 2>&1 | grep -v Warning | tee -a "$OUT/serve8.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s17e)  # a fresh machine, the session's last tree: s8_bisect (every call equal), then the s8, tc and CUDA-graph tests
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  l=$(lim 45); echo "== s8_bisect Q8_0 (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/s8_bisect.py --qtype Q8_0 --steps 2 2>&1 | grep -v Warning > "$OUT/bisect.txt"
+  grep -c " equal$" "$OUT/bisect.txt"; grep -v " equal$" "$OUT/bisect.txt" | tail -5
+  l=$(lim 150); echo "== tests on CUDA (limit ${l}s)"
+  DEV=CUDA MESH_GPU_TEST_DEV=CUDA timeout $l python3 -m pytest -p no:cacheprovider -W ignore -rf \
+    tests/test_matvec_s8.py tests/test_matvec_tc.py tests/test_cuda_graph.py 2>&1 | tail -6 | tee "$OUT/pytest_cuda.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own
