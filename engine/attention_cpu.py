@@ -36,6 +36,7 @@ from .cpu_runner import core_index, cpu_threads
 F32 = dtypes.float32
 LOG2E = 1.4426950408889634
 VEC = 16  # positions of a key block loaded as one vector (the pool's block size), values of d a vector
+PREFETCH_BLOCKS = 2  # key blocks fetched ahead; values 8 positions ahead for each (`_prefetches`)
 
 
 def _f32(x: float) -> str:
@@ -67,6 +68,26 @@ def _exp2(x: str) -> str:
             f"const float e = nan ? __builtin_nanf(\"\") : (a < -150.0f ? 0.0f : u);")
 
 
+def _prefetches(blk: str, W: int, Hd: int, DC: int, es: int) -> tuple[str, str, str, str]:
+    """C hints that fetch the keys PREFETCH_BLOCKS blocks ahead of the scores loop and the values PREFETCH_BLOCKS * 8
+    positions ahead of the values loop (each first part before its loop, the rest in it). Why: a sequence's blocks lie
+    anywhere in the pool, a head's keys of a block are 2 KB, and the KV comes from DRAM (every step streams the
+    weights through the caches): without hints, each block's loads wait on memory. An 8-column SmolLM2 step
+    at position 400 ran ~10% faster with them, at position 64 and at one column no slower (bench/RESULTS.md
+    "Eighteenth session"). Hints change no result. MESH_CPU_ATTN_PREFETCH=0: none (A/B runs)."""
+    if os.environ.get("MESH_CPU_ATTN_PREFETCH") == "0":
+        return "", "", "", ""
+    ka, va = PREFETCH_BLOCKS, PREFETCH_BLOCKS * 8
+    key = lambda t: (f"{{ const char* pf_ = (const char*)(@4 + {blk.format(t=t)} * {VEC * W} + g * {Hd * VEC}); "  # noqa: E731
+                     f"for (int l_ = 0; l_ < {Hd * VEC * es}; l_ += 64) __builtin_prefetch(pf_ + l_); }}")
+    val = lambda t: (f"{{ const char* pf_ = (const char*)(@5 + ({blk.format(t=f'({t}) >> 4')} * 16 + (({t}) & 15)) * "  # noqa: E731
+                     f"{W} + g * {Hd} + dc); for (int l_ = 0; l_ < {DC * es}; l_ += 64) __builtin_prefetch(pf_ + l_); }}")
+    return (f"for (int tb = 0; tb < {ka} && tb * 16 < n; tb++) {key('tb')}",
+            f"if ((tb + {ka}) * 16 < n) {key(f'tb + {ka}')}",
+            f"for (int t = 0; t < {va} && t < n; t++) {val('t')}",
+            f"if (t + {va} < n) {val(f't + {va}')}")
+
+
 def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag: str):
     G, W = H // KvH, KvH * Hd
     DC = VEC * next(k for k in (4, 3, 2, 1) if (Hd // VEC) % k == 0)  # values of d a pass of the values loop
@@ -88,6 +109,7 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
             take = f"{{ slot = @{7 + 2 * r}; pos = @{8 + 2 * r} + (c - {run.col}); }}"
             chain += take if r == len(runs) - 1 else f"if (c < {run.col + run.n}) {take} else "
         blk = f"(tab[{{t}}] < 0 ? 0 : tab[{{t}}] > {NBLK - 1} ? {NBLK - 1} : tab[{{t}}])"
+        kpf0, kpf, vpf0, vpf = _prefetches(blk, W, Hd, DC, 2 if half else 4)
         code = f"""{{
   typedef float v16f __attribute__((vector_size(64)));
   typedef __fp16 v16h __attribute__((vector_size(32)));
@@ -102,8 +124,10 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
     const int* tab = @6 + slot * {TB};
     float mx[{G}], tot[{G}];
     for (int h = 0; h < {G}; h++) {{ mx[h] = -__builtin_inff(); tot[h] = 0.0f; }}
+    {kpf0}
     for (int tb = 0; tb * 16 < n; tb++) {{
       const int b = {blk.format(t="tb")};
+      {kpf}
       const {KT}* kb = @4 + b * {VEC * W} + g * {Hd * VEC};
       v16f acc[{G}];
       for (int h = 0; h < {G}; h++) acc[h] = (v16f){{}};
@@ -127,8 +151,10 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
     for (int dc = 0; dc < {Hd}; dc += {DC}) {{
       v16f acc[{G}][{DC // VEC}];
       for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j++) acc[h][j] = (v16f){{}};
+      {vpf0}
       for (int t = 0; t < n; t++) {{
         const {KT}* vr = @5 + ({blk.format(t="t >> 4")} * 16 + (t & 15)) * {W} + g * {Hd} + dc;
+        {vpf}
         for (int j = 0; j < {DC // VEC}; j++) {{
           {load16f("v", f"vr + j * {VEC}", half)}
           for (int h = 0; h < {G}; h++) {{ const v16f pv_ = pc[h * {MC} + t] * v; acc[h][j] = acc[h][j] + pv_; }}

@@ -61,6 +61,7 @@ BLOCK = 32  # values of x per scale: every type here has blocks of 32
 KINDS = {Q.Q4_0: ("q4_0", 16, 1), Q.Q4_1: ("q4_1", 16, 2), Q.Q8_0: ("q8_0", 32, 1), Q.Q5_0: ("q5_0", 20, 1),
          Q.Q5_1: ("q5_1", 20, 2), Q.Q4_K: ("q4_k", 140, 2), Q.Q6_K: ("q6_k", 208, 1)}
 IL = 16  # rows a group: one 16-lane vector of int32 / f32 sums
+PREFETCH, PREFETCH_COLUMNS = 4096, 3  # bytes of weights fetched ahead, from this many columns a step on (`_prefetch`)
 
 
 def vnni() -> bool:
@@ -354,6 +355,24 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
       }}"""
 
 
+def _prefetch(rest_bytes: int, half_bytes: int, n: int) -> str:
+    """Hints that fetch the weight block PREFETCH bytes ahead of the one being read, in steps of PREFETCH_COLUMNS or
+    more columns. Why: at 1-2 columns the kernel is bound by DRAM and the hardware prefetcher keeps up, but from ~3
+    columns on a block's integer work is long enough that its loads wait on memory between the blocks: the 8-column
+    SmolLM2 step's kernels ran ~11-13% faster with these (bench/RESULTS.md "Eighteenth session"); at 1 column they
+    cost ~5%. Hints change no result. MESH_CPU_PREFETCH=<bytes> (0: none) for A/B runs."""
+    env = os.environ.get("MESH_CPU_PREFETCH", str(PREFETCH))
+    if not env.isdigit():
+        raise ValueError(f"MESH_CPU_PREFETCH={env!r}: expected a number of bytes (0: no prefetch)")
+    ahead = int(env)
+    if not ahead or n < PREFETCH_COLUMNS:
+        return ""
+    lines = [f"__builtin_prefetch(r + {ahead + p});" for p in range(0, rest_bytes, 64)]
+    ahead_h = ahead * half_bytes // rest_bytes   # the same blocks' float16 fields
+    lines += [f"__builtin_prefetch((const char*)h + {ahead_h + p});" for p in range(0, half_bytes, 64)]
+    return "\n      " + " ".join(lines)
+
+
 def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
     kind, rb, nh = KINDS[ggml_type]
 
@@ -381,7 +400,7 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
     for (int n = 0; n < {N}; n++) acc[n] = (v16f){{}};
     for (int b = 0; b < {NB}; b++) {{
       const unsigned char* r = @2 + (g * {NB} + b) * {rb * 16};
-      const __fp16* h = @3 + (g * {NB} + b) * {nh * 16};
+      const __fp16* h = @3 + (g * {NB} + b) * {nh * 16};{_prefetch(rb * 16, nh * 32, N)}
       {block}
     }}
     for (int n = 0; n < {N}; n++) for (int l = 0; l < 16; l++) @0[n * {rows} + g * 16 + l] = acc[n][l]{res};
