@@ -474,6 +474,13 @@ class Link:
         self._pumping = pumped
         arrived = self.arrived
         others_ready = False
+        # A pump blocks only after one pass of trio's loop (`wait_all_tasks_blocked`) since it was called: a task
+        # woken in the same batch as the consumer is neither in trio's run queue (`tasks_runnable` does not count
+        # the rest of the batch being run) nor in its socket waits, so the poll could not see it, and a token that
+        # needs that task (a peer of this process reading the next step) waited until the poll's deadline: one
+        # stream through serve_bench's in-process chain ran at 5-12 tok/s instead of ~165 (2026-12-04). Bytes
+        # already there are still read without the pass (a poll that does not block first).
+        passed = not pumped
         try:
             while (self.hot or pumped) and self._failure is None:
                 now = time.perf_counter()
@@ -488,6 +495,7 @@ class Link:
                     # a task that keeps running (another link's transfer) sends this read back to trio's own wait
                     with trio.move_on_after(HOT_BLOCK) as busy:
                         await trio.testing.wait_all_tasks_blocked()
+                    passed = True
                     if busy.cancelled_caught or (pumped and self.arrived != arrived):
                         return None     # (pumped: the reader read meanwhile; the consumer looks at what it got)
                     now = _PASSED = time.perf_counter()
@@ -507,6 +515,11 @@ class Link:
                 for other in hot:
                     poller.register(other, select.POLLIN)
                 ready = _spin(poller, min(SPIN, block)) if SPIN > 0 else None
+                if not ready and not passed:
+                    ready = poller.poll(0)
+                    if not ready:
+                        others_ready = True     # nothing yet: the pass first, then the blocking poll
+                        continue
                 if not ready:
                     ready = poller.poll(max(0.0, block - (time.perf_counter() - now)) * 1e3)
                 if not ready:
