@@ -357,10 +357,10 @@ def _block_code(kind: str, nh: int, isa: str, C: int, NBX: int) -> str:
 
 def _prefetch(rest_bytes: int, half_bytes: int, n: int) -> str:
     """Hints that fetch the weight block PREFETCH bytes ahead of the one being read, in steps of PREFETCH_COLUMNS or
-    more columns. Why: at 1-2 columns the kernel is bound by DRAM and the hardware prefetcher keeps up, but from ~3
-    columns on a block's integer work is long enough that its loads wait on memory between the blocks: the 8-column
-    SmolLM2 step's kernels ran ~11-13% faster with these (bench/RESULTS.md "Eighteenth session"); at 1 column they
-    cost ~5%. Hints change no result. MESH_CPU_PREFETCH=<bytes> (0: none) for A/B runs."""
+    more columns. Why: at 1-2 columns the kernel is bound by DRAM with or without them, but from ~3
+    columns on a block's integer work is long enough that its loads wait on memory between the blocks: SmolLM2's
+    8-column step ran 6-13% faster with these (the runner alone, bench/RESULTS.md "Eighteenth session"), 1 and 2
+    columns up to ~8% slower. Hints change no result. MESH_CPU_PREFETCH=<bytes> (0: none) for A/B runs."""
     env = os.environ.get("MESH_CPU_PREFETCH", str(PREFETCH))
     if not env.isdigit():
         raise ValueError(f"MESH_CPU_PREFETCH={env!r}: expected a number of bytes (0: no prefetch)")

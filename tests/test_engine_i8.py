@@ -112,6 +112,19 @@ def test_many_columns_are_split_into_kernels(monkeypatch):
     assert np.array_equal(together[7], w.matmul_t(Tensor(x[7:8])).numpy()[0])
 
 
+def test_prefetch_hints_from_three_columns_and_a_bad_setting_is_named(monkeypatch):
+    """The hints go into kernels of PREFETCH_COLUMNS or more columns (bits: the widths test above compares a kernel
+    with hints against one without); MESH_CPU_PREFETCH sets the distance, 0 none, anything else is refused."""
+    assert quant_i8._prefetch(256, 64, 1) == quant_i8._prefetch(256, 64, 2) == ""
+    hints = quant_i8._prefetch(256, 64, 8)
+    assert hints.count("__builtin_prefetch") == 5 and f"r + {quant_i8.PREFETCH}" in hints
+    monkeypatch.setenv("MESH_CPU_PREFETCH", "0")
+    assert quant_i8._prefetch(256, 64, 8) == ""
+    monkeypatch.setenv("MESH_CPU_PREFETCH", "4 KB")
+    with pytest.raises(ValueError, match="MESH_CPU_PREFETCH='4 KB': expected a number of bytes"):
+        quant_i8._prefetch(256, 64, 8)
+
+
 def test_which_weights_take_the_path(monkeypatch):
     assert quant_i8.wanted(Q.Q4_1, 16, "CPU")
     assert not quant_i8.wanted(Q.Q5_K, 16, "CPU")  # keeps the f32 path
