@@ -431,6 +431,23 @@ def test_the_spin_setting_is_microseconds_and_a_bad_one_is_named():
             link_mod.spin_from_env({"MESH_SPIN_US": bad})
 
 
+def pumped_events(link):
+    """The consumer side of `Link.pump` as the coordinator's sink has it: `take` feeds a channel; the function
+    returned gives the next event, pumping the link while the channel is empty."""
+    got_in, got_out = trio.open_memory_channel(16)
+    link.take = lambda ev: (got_in.send_nowait(ev), True)[1]
+
+    async def next_event():
+        while True:
+            try:
+                return got_out.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            if not await link.pump():
+                return await got_out.receive()
+    return next_event
+
+
 @pytest.mark.parametrize("spin", [0.0, 0.002])
 async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch, spin):
     """`Link.pump`: a consumer fed by `take` (the coordinator's sink) reads the link's next bytes in its own task
@@ -440,18 +457,8 @@ async def test_pump_reads_the_next_bytes_in_the_consumers_task(monkeypatch, spin
     monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
     monkeypatch.setattr(link_mod, "SPIN", spin)
     async with socket_link_pair() as (a, b), socket_link_pair() as (c, d):
-        got_in, got_out = trio.open_memory_channel(16)
-        b.take = lambda ev: (got_in.send_nowait(ev), True)[1]
+        next_event = pumped_events(b)
         assert not await b.pump()           # no event taken yet: not hot
-
-        async def next_event():
-            while True:
-                try:
-                    return got_out.receive_nowait()
-                except trio.WouldBlock:
-                    pass
-                if not await b.pump():
-                    return await got_out.receive()
 
         with trio.fail_after(20):
             await a.send(p.Ack(p.MsgType.LOAD, 0))
@@ -497,17 +504,7 @@ async def test_a_pump_does_not_block_before_the_tasks_woken_with_its_consumer_ha
             return ready
     monkeypatch.setattr(link_mod.select, "poll", Poll)
     async with socket_link_pair() as (a, b):
-        got_in, got_out = trio.open_memory_channel(16)
-        b.take = lambda ev: (got_in.send_nowait(ev), True)[1]
-
-        async def next_event():
-            while True:
-                try:
-                    return got_out.receive_nowait()
-                except trio.WouldBlock:
-                    pass
-                if not await b.pump():
-                    return await got_out.receive()
+        next_event = pumped_events(b)
 
         with trio.fail_after(20):
             await a.send(p.Ack(p.MsgType.LOAD, 0))
