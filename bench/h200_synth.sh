@@ -1191,6 +1191,19 @@ s17e)  # a fresh machine, the session's last tree: s8_bisect (every call equal),
     tests/test_matvec_s8.py tests/test_matvec_tc.py tests/test_cuda_graph.py 2>&1 | tail -6 | tee "$OUT/pytest_cuda.txt"
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
+s18)  # eighteenth session (issues 10, 11): the pump's pass (mesh/link.py) on the GPU chain: the 8B Q4_0 3-peer chain with
+  # the hot sink and without (mesh_bench --ab MESH_HOT_SINK=0), then serve_bench's chain rows on 1.1B Q8_0
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  synth_once 8b-Q4_0 8b Q4_0 synth8.txt
+  synth_once 1.1b-Q8_0 1.1b Q8_0 synth1.txt
+  l=$(lim 330); echo "== mesh_bench 8b-Q4_0 1,3 peers --ab MESH_HOT_SINK=0 (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/8b-Q4_0.gguf --peers 1,3 --rounds 2 --tokens 64 \
+    --ab MESH_HOT_SINK=0 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
+  l=$(lim 200); echo "== serve_bench 1.1b-Q8_0 chain 1,4,16 (limit ${l}s)"
+  DEV=CUDA timeout $l python3 bench/serve_bench.py --model $M/1.1b-Q8_0.gguf --streams 1,4,16 --modes chain \
+    --rounds 1 2>&1 | grep -v Warning | tee -a "$OUT/serve.txt"
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own
   # (mesh_bench --gpus 1,2,3; the unsharded engine on GPU 0), then the same with all peers on one GPU, as before
   { date -u; nproc; uptime; nvidia-smi -L; } 2>&1 | tee "$OUT/env.txt"
