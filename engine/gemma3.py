@@ -22,6 +22,7 @@ from __future__ import annotations
 from tinygrad import Tensor, UOp
 from tinygrad.dtype import DType
 
+from .cpu_kernels import gelu_glu
 from .errors import EngineError
 from .gguf_meta import ModelMeta
 from .loader import Weight, rms_norm
@@ -82,8 +83,7 @@ class Gemma3Block(Block):
         norm = self._norm("ffn_norm.weight")
         if "ffn_gate_up.weight" in self.w:
             gu = self._lin(x, "ffn_gate_up", norm=norm)
-            F = gu.shape[1] // 2
-            gated = gu[:, :F].gelu() * gu[:, F:]
+            gated = gelu_glu(gu)    # gelu(gate) * up; its own kernel on the CPU (engine/cpu_kernels.py)
         else:
             h = rms_norm(x, *norm)
             gated = self._lin(h, "ffn_gate").gelu() * self._lin(h, "ffn_up")

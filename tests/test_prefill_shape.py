@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor
 
-from engine.cpu_kernels import glu, rms_norm_rows
+from engine.cpu_kernels import gelu_glu, glu, rms_norm_rows
 from engine.replay import CpuReplay
 from engine.stage import Column, Stage
 from tests.tiny_gguf import write_tiny_gguf
@@ -20,7 +20,7 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("threads", ["1", "3"])
 @pytest.mark.parametrize("n", [1, 5, 16])
-def test_glu_is_bitwise_the_tensor_expression(n, threads, monkeypatch):
+def test_glu_and_gelu_glu_are_bitwise_the_tensor_expressions(n, threads, monkeypatch):
     # with 3 threads a step of several rows cuts the 96 features into 3 core slices (every slice is run here, one
     # after another, as tinygrad runs a kernel's core_id axis): the same bits as one slice
     monkeypatch.setenv("MESH_CPU_THREADS", threads)
@@ -29,6 +29,10 @@ def test_glu_is_bitwise_the_tensor_expression(n, threads, monkeypatch):
     gu[0, :4] = [0.0, -0.0, 90.0, -105.0]  # zero, and past exp2's range on both sides
     want = (Tensor(gu)[:, :96].silu() * Tensor(gu)[:, 96:]).numpy()
     got = glu(Tensor(gu)).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    # Gemma 3's tanh GELU, the same way
+    want = (Tensor(gu)[:, :96].gelu() * Tensor(gu)[:, 96:]).numpy()
+    got = gelu_glu(Tensor(gu)).numpy()
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
