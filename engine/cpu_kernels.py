@@ -39,18 +39,6 @@ def _slices(n: int, rows: int) -> int:
     return next(t for t in range(min(cpu_threads(), n), 0, -1) if n % t == 0)
 
 
-def gelu_glu(gu: Tensor) -> Tensor:
-    """gelu(gate) * up of gu = [gate | up] (N, 2F) -> (N, F) float32 (Gemma 3's FFN, tanh GELU); bitwise what the
-    Tensor expression gives. Why a kernel of its own: tinygrad's kernel for it ran on one core in scalar code, 90 us
-    a layer in an 8-column Gemma 3 270M step (1.6 of 16.2 ms), 9 us at one column. MESH_CPU_GELU=0: tinygrad's
-    kernel (A/B runs)."""
-    F = gu.shape[1] // 2
-    if not str(gu.device).startswith("CPU") or os.environ.get("MESH_CPU_GELU") == "0":
-        return gu[:, :F].gelu() * gu[:, F:]
-    out = Tensor.empty(gu.shape[0], F, dtype=F32, device=gu.device)
-    return Tensor.custom_kernel(out, gu.cast(F32).contiguous(), fxn=_gelu_glu_kernel)[0]
-
-
 def _gated_kernel(out: UOp, gu: UOp, act, name: str) -> UOp:
     N, F = out.shape
     T = _slices(F // 16, N) if F % 16 == 0 else 1   # whole vectors of 16 features a slice
@@ -76,6 +64,18 @@ def glu(gu: Tensor) -> Tensor:
         return gu[:, :F].silu() * gu[:, F:]
     out = Tensor.empty(gu.shape[0], F, dtype=F32, device=gu.device)
     return Tensor.custom_kernel(out, gu.cast(F32).contiguous(), fxn=_glu_kernel)[0]
+
+
+def gelu_glu(gu: Tensor) -> Tensor:
+    """gelu(gate) * up of gu = [gate | up] (N, 2F) -> (N, F) float32 (Gemma 3's FFN, tanh GELU); bitwise what the
+    Tensor expression gives. Why a kernel of its own: tinygrad's kernel for it ran on one core in scalar code, 90 us
+    a layer in an 8-column Gemma 3 270M step (1.6 of 16.2 ms), 9 us at one column. MESH_CPU_GELU=0: tinygrad's
+    kernel (A/B runs)."""
+    F = gu.shape[1] // 2
+    if not str(gu.device).startswith("CPU") or os.environ.get("MESH_CPU_GELU") == "0":
+        return gu[:, :F].gelu() * gu[:, F:]
+    out = Tensor.empty(gu.shape[0], F, dtype=F32, device=gu.device)
+    return Tensor.custom_kernel(out, gu.cast(F32).contiguous(), fxn=_gelu_glu_kernel)[0]
 
 
 
