@@ -487,7 +487,7 @@ async def test_a_pump_does_not_block_before_the_tasks_woken_with_its_consumer_ha
     while the consumer runs: a pump that blocked at once waited for the poll's deadline when the bytes it wanted
     needed that task (one stream through an in-process chain ran at 5-12 tok/s). Here the writer of the next event
     and the consumer wake from one Event; trio runs a batch in either order, so 12 rounds meet both orders (the
-    old pump hung here until the deadline in half of them)."""
+    old pump's poll waited for a deadline in some of them: this test fails on it)."""
     monkeypatch.setattr(link_mod, "HOT_WINDOW", 60.0)      # hot however slowly a loaded machine runs this
     waited_out = []     # blocking polls that ended with nothing ready (the old pump's, until a heartbeat was due)
     real_poll = select.poll
