@@ -112,6 +112,7 @@
 #   bench/h200_synth.sh s17c   a fresh machine: the serving-stage tests on CUDA, serve_bench 1,16 on 1.1b-Q8_0, s8 vs bf16
 #   bench/h200_synth.sh s17d   a fresh machine: serve_bench 1,16 on 8b-Q4_0 with the defaults (s8)
 #   bench/h200_synth.sh s17e   a fresh machine: s8_bisect on CUDA, the s8/tc/CUDA-graph tests on CUDA (the last tree)
+#   bench/h200_synth.sh s18    a fresh machine: the 8B 3-peer chain with and without the hot sink, serve_bench's chain rows
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -128,7 +129,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, s17e, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, s17e, s18, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
