@@ -24,13 +24,12 @@ as one vector) and head_dim is a multiple of 16; MESH_CPU_ATTN=0 keeps the tinyg
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Sequence
 
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
-from .c_kernels import custom, load16f, renders_c
+from .c_kernels import c_exp2, c_f32, custom, load16f, renders_c
 from .cpu_runner import core_index, cpu_threads
 
 F32 = dtypes.float32
@@ -39,33 +38,10 @@ VEC = 16  # positions of a key block loaded as one vector (the pool's block size
 PREFETCH_BLOCKS = 2  # key blocks fetched ahead; values 8 positions ahead for each (`_prefetches`)
 
 
-def _f32(x: float) -> str:
-    """x rounded to float32, as a C hex literal: the constant tinygrad renders for x (its f32 value), exactly."""
-    return struct.unpack("f", struct.pack("f", x))[0].hex() + "f"
-
-
 def wanted(device: str, block_size: int, head_dim: int) -> bool:
     """Whether attention on `device` takes this kernel (see the module docstring)."""
     return device.startswith("CPU") and block_size == VEC and head_dim % VEC == 0 and \
         os.environ.get("MESH_CPU_ATTN") != "0" and renders_c(device)
-
-
-def _exp2(x: str) -> str:
-    """C statements computing `e` = exp2(x) for the float expression `x` as tinygrad's decomposition renders it
-    (tinygrad/uop/decompositions.py xexp2: a rounding to an integer, a degree-6 polynomial that clang contracts to
-    FMAs, two power-of-two factors), with its guards for inf and NaN."""
-    terms = ["0.00015359208919107914f", "0.0013392627006396651f", "0.009618384763598442f", "0.055503472685813904f",
-             "0.24022644758224487f", "0.6931471824645996f", "1.0f"]
-    expr = f"({terms[0]} * f)"
-    for c in terms[1:-1]:
-        expr = f"(({expr} + {c}) * f)"
-    expr = f"({expr} + {terms[-1]})"
-    return (f"const float a = {x}; const _Bool nan = a != a; "
-            f"const float z = a != __builtin_inff() ? (nan ? 0.0f : (a != -__builtin_inff() ? a : 0.0f)) : 0.0f; "
-            f"const int k = (int)(z + (z < 0.0f ? -0.5f : 0.5f)), k2 = k >> 1; const float f = z - (float)k; "
-            f"const float u = !(a < 128.0f) ? __builtin_inff() : ({expr} * __builtin_bit_cast(float, (int)((k2 + 127) "
-            f"<< 23)) * __builtin_bit_cast(float, (int)(((k - k2) + 127) << 23))); "
-            f"const float e = nan ? __builtin_nanf(\"\") : (a < -150.0f ? 0.0f : u);")
 
 
 def _prefetches(blk: str, W: int, Hd: int, DC: int, es: int) -> tuple[str, str, str, str]:
@@ -137,14 +113,14 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
       }}
       const int m = n - tb * 16 < 16 ? n - tb * 16 : 16;
       for (int h = 0; h < {G}; h++) {{
-        const v16f s = acc[h] * {_f32(scale)};
+        const v16f s = acc[h] * {c_f32(scale)};
         for (int i = 0; i < m; i++) {{ pc[h * {MC} + tb * 16 + i] = s[i]; mx[h] = mx[h] < s[i] ? s[i] : mx[h]; }}
       }}
     }}
     for (int h = 0; h < {G}; h++) {{
       float* ph = pc + h * {MC};
       const float mh = mx[h];
-      for (int t = 0; t < n; t++) {{ {_exp2(f"(ph[t] - mh) * {_f32(LOG2E)}")} ph[t] = e; }}
+      for (int t = 0; t < n; t++) {{ {c_exp2(f"(ph[t] - mh) * {c_f32(LOG2E)}")} ph[t] = e; }}
     }}
     for (int t = 0; t < n; t++) for (int h = 0; h < {G}; h++) tot[h] = tot[h] + pc[h * {MC} + t];
     for (int h = 0; h < {G}; h++) tot[h] = 1.0f / tot[h];

@@ -1,4 +1,5 @@
-"""A CPU kernel written as C text inside a tinygrad CUSTOM op (engine/quant_i8.py, engine/attention_cpu.py).
+"""A CPU kernel written as C text inside a tinygrad CUSTOM op (engine/quant_i8.py, engine/attention_cpu.py), and the C
+of tinygrad values such kernels compute as its own kernels do (a float constant, exp2).
 
 tinygrad renders no vector integer ops and bounds every loop by a value it knows when it renders the kernel; where a
 kernel needs either, its body is C (GCC vector extensions, clang builtins) in one CUSTOM statement. The step runner
@@ -7,6 +8,7 @@ kernel needs either, its body is C (GCC vector extensions, clang builtins) in on
 from __future__ import annotations
 
 import re
+import struct
 
 from tinygrad import UOp, dtypes
 from tinygrad.uop.ops import Ops
@@ -45,3 +47,26 @@ def load16f(dst: str, src: str, half: bool) -> str:
     if half:
         return f"v16f {dst}; {{ v16h t_; __builtin_memcpy(&t_, {src}, 32); {dst} = __builtin_convertvector(t_, v16f); }}"
     return f"v16f {dst}; __builtin_memcpy(&{dst}, {src}, 64);"
+
+
+def c_f32(x: float) -> str:
+    """x rounded to float32, as a C hex literal: the constant tinygrad renders for x (its f32 value), exactly."""
+    return struct.unpack("f", struct.pack("f", x))[0].hex() + "f"
+
+
+def c_exp2(x: str) -> str:
+    """C statements computing `e` = exp2(x) for the float expression `x` as tinygrad's decomposition renders it
+    (tinygrad/uop/decompositions.py xexp2: a rounding to an integer, a degree-6 polynomial that clang contracts to
+    FMAs, two power-of-two factors), with its guards for inf and NaN."""
+    terms = ["0.00015359208919107914f", "0.0013392627006396651f", "0.009618384763598442f", "0.055503472685813904f",
+             "0.24022644758224487f", "0.6931471824645996f", "1.0f"]
+    expr = f"({terms[0]} * f)"
+    for c in terms[1:-1]:
+        expr = f"(({expr} + {c}) * f)"
+    expr = f"({expr} + {terms[-1]})"
+    return (f"const float a = {x}; const _Bool nan = a != a; "
+            f"const float z = a != __builtin_inff() ? (nan ? 0.0f : (a != -__builtin_inff() ? a : 0.0f)) : 0.0f; "
+            f"const int k = (int)(z + (z < 0.0f ? -0.5f : 0.5f)), k2 = k >> 1; const float f = z - (float)k; "
+            f"const float u = !(a < 128.0f) ? __builtin_inff() : ({expr} * __builtin_bit_cast(float, (int)((k2 + 127) "
+            f"<< 23)) * __builtin_bit_cast(float, (int)(((k - k2) + 127) << 23))); "
+            f"const float e = nan ? __builtin_nanf(\"\") : (a < -150.0f ? 0.0f : u);")

@@ -205,6 +205,11 @@ class Weight:
         return y if residual is None else residual + y
 
     @property
+    def glu_once(self) -> bool:
+        """Whether `matmul_t(x, glu=True)` costs no more silu than a glu before it (QuantWeight.glu_once)."""
+        return self.quant is not None and self.quant.glu_once
+
+    @property
     def nbytes(self) -> int:
         if self.quant is not None:
             return self.quant.nbytes

@@ -36,7 +36,8 @@ def fuse_glu(device: str | tuple) -> bool:
     default on every device). Not on the CPU: its matvec would compute silu again for every group of 16 rows (exp2
     is a polynomial there: 3M of them per SmolLM2 token, 2x slower). Not on the H200 either, measured: the fused
     ffn_down kernel of the 8B shape took 30 us against ~20 us, more than the ~3 us the separate kernel and its
-    launch cost (NOTES "The GPU matvec")."""
+    launch cost (NOTES "The GPU matvec"). The CPU's 8-bit path takes [gate | up] whatever this says: its quantize
+    kernel computes silu once a value (`Weight.glu_once`)."""
     return os.environ.get("MESH_FUSE_GLU", "0") != "0"
 
 
@@ -167,7 +168,8 @@ class Block:
         if "ffn_gate_up.weight" in self.w:  # one matmul for gate and up
             gu = self._lin(x, "ffn_gate_up", norm=norm)
             F = gu.shape[1] // 2
-            if fuse_glu(gu.device):  # silu(gate) * up inside ffn_down's kernel: one kernel a layer fewer
+            # silu(gate) * up inside ffn_down's kernels (the CPU's 8-bit path: its quantize kernel): a kernel fewer
+            if fuse_glu(gu.device) or self.w["ffn_down.weight"].glu_once:
                 ff = self._lin(gu, "ffn_down", glu=True, residual=x)
             else:
                 ff = self._lin(glu(gu), "ffn_down", residual=x)  # silu(gate) * up (engine/cpu_kernels.py)

@@ -325,6 +325,13 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.rest.nbytes() + self.halfs.nbytes()
 
+    @property
+    def glu_once(self) -> bool:
+        """Whether `matmul_t(x, glu=True)` computes silu(gate) * up once per value (inside the quantize kernel of the
+        8-bit path, engine/quant_i8.py), not once per group of rows as the f32 matvec would."""
+        return self.layout != "tc" and quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device)) and \
+            quant_i8.glu_in_quantize()
+
     def matmul_t(self, x: Tensor, *, norm: tuple[Tensor, float] | None = None, glu: bool = False,
                  residual: Tensor | None = None) -> Tensor:
         """x (N, cols) @ weight.T -> (N, rows) float32, the blocks decoded inside the kernel. With `norm` (weight,

@@ -44,6 +44,7 @@ is one `vpermb` per 64 bytes (`__builtin_shufflevector`), amortized over the ste
 """
 from __future__ import annotations
 
+import math
 import os
 
 from gguf import GGMLQuantizationType as Q
@@ -51,7 +52,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo
 
 from . import cpu_kernels
-from .c_kernels import custom, load16f, renders_c
+from .c_kernels import c_exp2, c_f32, custom, load16f, renders_c
 from .cpu_runner import core_index, cpu_threads
 from .quant_gemm import MAX_COLUMNS, cpu_flags, slices
 
@@ -96,9 +97,9 @@ def _isa() -> str:
     return env or isa() or "generic"
 
 
-def _quantize_kernel(eps: float | None):
+def _quantize_kernel(eps: float | None, glu: bool = False):
     def kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp, *norm_w: UOp) -> UOp:
-        N, C = x.shape
+        N, C = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
         T = next(t for t in range(min(cpu_threads(), N), 0, -1) if N % t == 0) if N > 1 else 1
         core = UOp.range(T, 0, AxisType.GLOBAL)
         NB, per = C // BLOCK, N // T
@@ -114,6 +115,13 @@ def _quantize_kernel(eps: float | None):
         rs = "" if eps is None else f"const float rs = __builtin_sqrtf(ss[r] * {1 / C!r}f + {eps!r}f);"
         wv = "" if eps is None else \
             "v16f wv0, wv1; __builtin_memcpy(&wv0, @5 + b * 32, 64); __builtin_memcpy(&wv1, @5 + b * 32 + 16, 64);"
+        load = (f"v16f v0, v1; __builtin_memcpy(&v0, @4 + n * {C} + b * {BLOCK}, 64); "
+                f"__builtin_memcpy(&v1, @4 + n * {C} + b * {BLOCK} + 16, 64);")
+        if glu:  # x is [gate | up]: silu(gate) * up as engine/cpu_kernels.py's glu kernel renders it, bitwise
+            gate = f"@4[n * {2 * C} + b * {BLOCK} + l]"
+            load = (f"float gb[{BLOCK}]; for (int l = 0; l < {BLOCK}; l++) {{ const float gv = {gate}; "
+                    f"{c_exp2(f'gv * {c_f32(-1 / math.log(2))}')} gb[l] = (gv / (1.0f + e)) * @4[n * {2 * C} + {C} + "
+                    f"b * {BLOCK} + l]; }} v16f v0, v1; __builtin_memcpy(&v0, gb, 64); __builtin_memcpy(&v1, gb + 16, 64);")
         code = f"""{{
   typedef float v16f __attribute__((vector_size(64)));
   typedef int v16i __attribute__((vector_size(64)));
@@ -123,7 +131,7 @@ def _quantize_kernel(eps: float | None):
     const int n = n0 + r;
     {rs}
     for (int b = 0; b < {NB}; b++) {{
-      v16f v0, v1; __builtin_memcpy(&v0, @4 + n * {C} + b * {BLOCK}, 64); __builtin_memcpy(&v1, @4 + n * {C} + b * {BLOCK} + 16, 64);
+      {load}
       {wv}
       const v16f a0 = {value(0)}, a1 = {value(1)};
       v16f m = __builtin_elementwise_max(__builtin_elementwise_abs(a0), __builtin_elementwise_abs(a1));
@@ -147,22 +155,33 @@ def _quantize_kernel(eps: float | None):
         ci = core_index(core, T)
         body = custom(code, ci, [(out_q, (ci * per, 0)), (out_d, (ci * per, 0)), (out_s, (ci * per, 0))],
                        [x, *norm_w])
-        return body.end(core).sink(arg=KernelInfo(name=f"q8x_{N}x{C}" + ("" if eps is None else "_norm"),
+        return body.end(core).sink(arg=KernelInfo(name=f"q8x_{N}x{C}" + ("" if eps is None else "_norm") + ("_glu" if glu else ""),
                                                   opts_to_apply=()))
     return kernel
 
 
-def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def glu_in_quantize() -> bool:
+    """Whether silu(gate) * up runs inside the quantize kernel of the matmul it feeds (ffn_down's) rather than as a
+    kernel of its own (engine/cpu_kernels.py glu). Why: in an 8-column SmolLM2 step the glu kernel and its meeting
+    of the two cores cost ~0.2-0.4 ms (bench/RESULTS.md "Nineteenth session"), its f32 output written only to be read
+    back by the quantize kernel next. The same bits either way. MESH_CPU_GLU_QUANT=0: the two kernels (A/B runs)."""
+    return os.environ.get("MESH_CPU_GLU_QUANT", "1") != "0"
+
+
+def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x (N, C) float32 -> (q (N, C) int8, d (N, C/32) float32, sums of q (N, C/16) int32): per block of 32, its
     scale and the sums of its two halves of 16 (Q6_K's sub-blocks have 16 values). With `norm` (weight, eps), x is
-    RMS-normalized first, in the same kernel."""
-    N, C = x.shape
+    RMS-normalized first, in the same kernel. With `glu`, x is [gate | up] (N, 2C) and the values are silu(gate) * up,
+    computed in the same kernel, bitwise engine/cpu_kernels.py's glu (not with a norm)."""
+    if glu and norm is not None:
+        raise ValueError("quantize: glu and a norm in one kernel are not written")
+    N, C = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
     q = Tensor.empty(N, C, dtype=dtypes.int8, device=x.device)
     d = Tensor.empty(N, C // BLOCK, dtype=F32, device=x.device)
     s = Tensor.empty(N, C // 16, dtype=dtypes.int32, device=x.device)
     w = [] if norm is None else [norm[0].cast(F32).contiguous()]
     q, d, s, *_ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), *w,
-                                       fxn=_quantize_kernel(None if norm is None else float(norm[1])))
+                                       fxn=_quantize_kernel(None if norm is None else float(norm[1]), glu))
     return q, d, s
 
 
@@ -417,18 +436,17 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
 def matmul_t(rest: Tensor, halfs: Tensor, ggml_type: int, rows: int, x: Tensor, *,
              norm: tuple[Tensor, float] | None = None, glu: bool = False, residual: Tensor | None = None) -> Tensor:
     """x (N, cols) @ W.T -> (N, rows) float32 for W's resident blocks, x quantized to 8 bits per block of 32; the
-    options of `QuantWeight.matmul_t`. The norm runs inside the quantize kernel, silu(gate) * up before it as
-    engine/cpu_kernels.py's kernel (C has no exp2 without libm; tinygrad's own decomposition), for one column as for
-    many."""
+    options of `QuantWeight.matmul_t`. The norm runs inside the quantize kernel, and so does silu(gate) * up
+    (`glu_in_quantize`; else engine/cpu_kernels.py's kernel before it), for one column as for many."""
     x = x.cast(F32)
-    if glu:
-        x = cpu_kernels.glu(x)
+    if glu and (norm is not None or not glu_in_quantize()):
+        x, glu = cpu_kernels.glu(x), False
     if x.shape[0] > MAX_COLUMNS:  # the column sums sit on each core thread's stack: bound them
-        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS], norm=norm,
+        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS], norm=norm, glu=glu,
                           residual=None if residual is None else residual[i:i + MAX_COLUMNS])
                  for i in range(0, x.shape[0], MAX_COLUMNS)]
         return parts[0].cat(*parts[1:], dim=0)
-    xq, xd, xs = quantize(x, norm)
+    xq, xd, xs = quantize(x, norm, glu)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     fxn = _dot_kernel(ggml_type, slices(rest.shape[0], cpu_threads()), residual is not None, _isa())

@@ -104,6 +104,26 @@ def test_a_column_has_the_same_bits_in_a_step_of_any_width(qtype):
             assert np.array_equal(run(x[i:i + 1], r[i:i + 1])[0], together[i]), (fused, i)
 
 
+def test_glu_inside_the_quantize_kernel_is_the_glu_kernels(monkeypatch):
+    """With glu, the quantize kernel computes silu(gate) * up itself: the same quants as engine/cpu_kernels.py's glu
+    kernel (the Tensor expression's values, bitwise) followed by the plain quantize, exp2's guards included (a
+    gate past 128 or below -150 after the scaling, zeros of both signs); a matmul with glu=True gives the same
+    bits with the setting off."""
+    from engine.cpu_kernels import glu
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((5, 2 * 96)) * rng.choice([0.05, 1.0, 30.0, 300.0], (5, 2 * 96))).astype(np.float32)
+    x[0, :4] = [-120.0, 150.0, 0.0, -0.0]
+    fused = [t.numpy() for t in quant_i8.quantize(Tensor(x), glu=True)]
+    apart = [t.numpy() for t in quant_i8.quantize(glu(Tensor(x)))]
+    assert all(np.array_equal(a, b) for a, b in zip(fused, apart))
+    with pytest.raises(ValueError, match="glu and a norm"):
+        quant_i8.quantize(Tensor(x), (Tensor(np.ones(96, np.float32)), 1e-5), glu=True)
+    w, _ = weight("Q4_1", 32, 96)
+    on = w.matmul_t(Tensor(x), glu=True).numpy()
+    monkeypatch.setenv("MESH_CPU_GLU_QUANT", "0")
+    assert np.array_equal(on, w.matmul_t(Tensor(x), glu=True).numpy())
+
+
 def test_many_columns_are_split_into_kernels(monkeypatch):
     monkeypatch.setattr(quant_i8, "MAX_COLUMNS", 4)  # 10 columns: kernels of 4, 4 and 2
     w, _ = weight("Q8_0", 32, 64)
