@@ -24,6 +24,7 @@ as one vector) and head_dim is a multiple of 16; MESH_CPU_ATTN=0 keeps the tinyg
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 from tinygrad import Tensor, UOp, dtypes
@@ -31,6 +32,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo
 
 from .c_kernels import c_exp2, c_f32, custom, load16f, renders_c
 from .cpu_runner import core_index, cpu_threads
+from .quant_i8 import X8, q8_block
 
 F32 = dtypes.float32
 LOG2E = 1.4426950408889634
@@ -64,11 +66,17 @@ def _prefetches(blk: str, W: int, Hd: int, DC: int, es: int) -> tuple[str, str, 
             f"if (t + {va} < n) {val(f't + {va}')}")
 
 
-def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag: str):
-    G, W = H // KvH, KvH * Hd
-    DC = VEC * next(k for k in (4, 3, 2, 1) if (Hd // VEC) % k == 0)  # values of d a pass of the values loop
+def _dc(Hd: int) -> int:
+    """Values of d a pass of the values loop: up to 4 vectors."""
+    return VEC * next(k for k in (4, 3, 2, 1) if (Hd // VEC) % k == 0)
 
-    def kernel(o: UOp, p: UOp, q: UOp, pk: UOp, pv: UOp, table: UOp) -> UOp:
+
+def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag: str, x8: bool = False):
+    G, W = H // KvH, KvH * Hd
+    DC = _dc(Hd)
+
+    def kernel(o: UOp, p: UOp, *rest: UOp) -> UOp:
+        xq, xd, xs, q, pk, pv, table = rest if x8 else (None, None, None, *rest)
         N, QS, MC = q.shape[0], q.shape[1], p.shape[2]
         TB, NBLK = table.shape[1], pk.shape[0] // (W * VEC)
         half = pk.dtype == dtypes.float16
@@ -86,9 +94,23 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
             chain += take if r == len(runs) - 1 else f"if (c < {run.col + run.n}) {take} else "
         blk = f"(tab[{{t}}] < 0 ? 0 : tab[{{t}}] > {NBLK - 1} ? {NBLK - 1} : tab[{{t}}])"
         kpf0, kpf, vpf0, vpf = _prefetches(blk, W, Hd, DC, 2 if half else 4)
+        at = f"c * {H * Hd} + (g * {G} + h) * {Hd} + dc + j * {VEC}"    # the element of o a vector starts at
+        out = f"""for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j++) {{
+        const v16f r = acc[h][j] * tot[h];
+        __builtin_memcpy(@0 + {at}, &r, 64);
+      }}"""
+        # with x8, each block of 32 values is also quantized for the output matmul (engine/quant_i8.py `q8_block`,
+        # the quantize kernel's code: the same bits), from the values written to o (@2 q, @3 d, @4 sums)
+        out_x8 = f"""for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j += 2) {{
+        const v16f r = acc[h][j] * tot[h], r1 = acc[h][j + 1] * tot[h];
+        __builtin_memcpy(@0 + {at}, &r, 64); __builtin_memcpy(@0 + {at} + {VEC}, &r1, 64);
+        {q8_block("r", "r1", f"@2 + {at}", f"@3 + ({at}) / 32", f"@4 + ({at}) / 16")}
+      }}"""
         code = f"""{{
   typedef float v16f __attribute__((vector_size(64)));
   typedef __fp16 v16h __attribute__((vector_size(32)));
+  typedef int v16i __attribute__((vector_size(64)));
+  typedef signed char v16c __attribute__((vector_size(16)));
   const int p0 = (@2) * {P} / {T}, p1 = ((@2) + 1) * {P} / {T};
   for (int pr = p0; pr < p1; pr++) {{
     const int c = pr / {KvH}, g = pr % {KvH};
@@ -136,16 +158,20 @@ def _kernel(runs: Sequence, H: int, KvH: int, Hd: int, scale: float, L: int, tag
           for (int h = 0; h < {G}; h++) {{ const v16f pv_ = pc[h * {MC} + t] * v; acc[h][j] = acc[h][j] + pv_; }}
         }}
       }}
-      for (int h = 0; h < {G}; h++) for (int j = 0; j < {DC // VEC}; j++) {{
-        const v16f r = acc[h][j] * tot[h];
-        __builtin_memcpy(@0 + c * {H * Hd} + (g * {G} + h) * {Hd} + dc + j * {VEC}, &r, 64);
-      }}
+      {{out}}
     }}
   }}
 }}"""
         values = tuple(v for run in runs for v in (run.slot, run.pos))
-        body = custom(code, ci, [(o, (c0, g0 * (G * Hd))), (p, (c0, g0 * G, 0))], [q, pk, pv, table], values)
-        return body.end(core).sink(arg=KernelInfo(name=f"attn_c_{tag}", opts_to_apply=()))
+        writes = [(o, (c0, g0 * (G * Hd))), (p, (c0, g0 * G, 0))]
+        if x8:  # sources after o and p: @2 xq, @3 xd, @4 xs, then the rest moved by 3
+            code = re.sub(r"@(\d+)", lambda m: f"@{int(m[1]) + 3 if int(m[1]) >= 2 else m[1]}", code)
+            code = code.replace("{out}", out_x8)
+            writes += [(xq, (c0, g0 * (G * Hd))), (xd, (c0, g0 * (G * Hd) // 32)), (xs, (c0, g0 * (G * Hd) // 16))]
+        else:
+            code = code.replace("{out}", out)
+        body = custom(code, ci, writes, [q, pk, pv, table], values)
+        return body.end(core).sink(arg=KernelInfo(name=f"attn_c_{tag}" + ("_x8" if x8 else ""), opts_to_apply=()))
     return kernel
 
 
@@ -153,9 +179,29 @@ def attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Se
               n_heads: int, n_kv_heads: int, head_dim: int, scale: float) -> Tensor:
     """paged_attention's result on the CPU (runs: kernel variables, engine/paged_attention.py `_kruns`): q (N, H Hd
     and more) float32 contiguous -> (N, H Hd) float32."""
+    return _attention(q, pool_k, pool_v, table, runs, max_context, n_heads, n_kv_heads, head_dim, scale, False)[0]
+
+
+def attention_x8(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence, max_context: int,
+                 n_heads: int, n_kv_heads: int, head_dim: int, scale: float) -> tuple[Tensor, X8 | None]:
+    """`attention` and its result quantized for an 8-bit matmul (engine/quant_i8.py `quantize`, the same bits) by
+    the same kernel, where a pass of its values loop holds whole blocks of 32 (else None: quantize it apart). Why:
+    the output matmul's own quantize kernel is a meeting of the cores a layer more (MESH_CPU_ATTN_X8=0: that way)."""
+    ok = _dc(head_dim) % 32 == 0 and os.environ.get("MESH_CPU_ATTN_X8", "1") != "0"
+    return _attention(q, pool_k, pool_v, table, runs, max_context, n_heads, n_kv_heads, head_dim, scale, ok)
+
+
+def _attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence, max_context: int,
+               n_heads: int, n_kv_heads: int, head_dim: int, scale: float, x8: bool) -> tuple[Tensor, X8 | None]:
     N, H, Hd = q.shape[0], n_heads, head_dim
     tag = f"{N}x{H}x{Hd}_r{len(runs)}"
     o = Tensor.empty(N, H * Hd, dtype=F32, device=q.device)
     p = Tensor.empty(N, H, -(-max_context // VEC) * VEC, dtype=F32, device=q.device)  # whole vectors a row
-    return Tensor.custom_kernel(o, p, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
-                                fxn=_kernel(runs, H, n_kv_heads, Hd, scale, max_context, tag))[0]
+    outs = [o, p]
+    if x8:
+        outs += [Tensor.empty(N, H * Hd, dtype=dtypes.int8, device=q.device),
+                 Tensor.empty(N, H * Hd // 32, dtype=F32, device=q.device),
+                 Tensor.empty(N, H * Hd // 16, dtype=dtypes.int32, device=q.device)]
+    got = Tensor.custom_kernel(*outs, q, pool_k.reshape(-1), pool_v.reshape(-1), table,
+                               fxn=_kernel(runs, H, n_kv_heads, Hd, scale, max_context, tag, x8))
+    return got[0], X8(*got[2:5]) if x8 else None

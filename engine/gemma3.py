@@ -27,6 +27,7 @@ from .errors import EngineError
 from .gguf_meta import ModelMeta
 from .loader import Weight, rms_norm
 from .model import Block, Group, KVPages
+from .quant_gemm import MAX_COLUMNS
 
 # the most columns one step writes into one slot of a local layer: the prefill chunk sizes (engine/stage.py
 # PREFILL_BUCKETS) must not exceed it. The ring of a local layer is sliding_window + RING_SLACK positions.
@@ -72,13 +73,15 @@ class Gemma3Block(Block):
         # llama.cpp scales the query after rope and then attends with scale 1
         q = self._rope(q, cos, sin) * self.attn_scale
         k = self._rope(k, cos, sin)
+        attn8 = None
         if self.ring:
             attn = self._ring_attention(q, k, v, groups)
         else:  # a global layer, or a local one whose window covers the whole context
-            attn = self._attention(q, k, v, groups, ctx, 1.0)
+            x8 = self.w["attn_output.weight"].takes_x8 and N <= MAX_COLUMNS
+            attn, attn8 = self._attention(q, k, v, groups, ctx, 1.0, x8)
 
         # the post-norms sit between each sublayer and its residual add, so the add stays out of the matmul
-        a = self._lin(attn, "attn_output")
+        a = self._lin(attn, "attn_output", x8=attn8)
         x = (rms_norm(a, self.w["post_attention_norm.weight"].value(), self.eps) + x).contiguous()
         norm = self._norm("ffn_norm.weight")
         if "ffn_gate_up.weight" in self.w:

@@ -192,17 +192,23 @@ class Weight:
         return self.tensor
 
     def matmul_t(self, x: Tensor, *, norm: tuple[Tensor, float] | None = None, glu: bool = False,
-                 residual: Tensor | None = None) -> Tensor:
+                 residual: Tensor | None = None, x8=None) -> Tensor:
         """x (N, cols) @ weight.T -> (N, rows), with the ops around a linear layer: RMS norm of x by (weight, eps),
-        silu(gate) * up of x = [gate | up], a residual added. Resident blocks do all of it in one kernel."""
+        silu(gate) * up of x = [gate | up], a residual added. Resident blocks do all of it in one kernel. `x8`: x
+        quantized already, for resident blocks on the CPU's 8-bit path (`takes_x8`), ignored elsewhere."""
         if self.quant is not None:
-            return self.quant.matmul_t(x, norm=norm, glu=glu, residual=residual)
+            return self.quant.matmul_t(x, norm=norm, glu=glu, residual=residual, x8=x8)
         if norm is not None:
             x = rms_norm(x, *norm)
         if glu:
             x = x[:, :x.shape[1] // 2].silu() * x[:, x.shape[1] // 2:]
         y = x @ self.value().cast(dtypes.float32).T
         return y if residual is None else residual + y
+
+    @property
+    def takes_x8(self) -> bool:
+        """Whether `matmul_t` uses an x quantized already (QuantWeight.takes_x8)."""
+        return self.quant is not None and self.quant.takes_x8
 
     @property
     def glu_once(self) -> bool:
@@ -481,6 +487,9 @@ class EmbeddingTable:
 
     def __init__(self, g: GGUFFile, info: TensorInfo, shared: QuantWeight | None = None, scale: float = 1.0) -> None:
         self.shared = shared
+        # on a CPU device the tied head's blocks lie in host memory: a token's row is gathered from them in place
+        # (the lookup runs cold on every first stage's step: 0.5 ms for one SmolLM2 token through group copies)
+        self._views = None if shared is None else shared.host_views()
         self.scale = scale  # Gemma multiplies the embeddings by sqrt(dim) (in float32, as llama.cpp)
         self.rows = None if shared is not None else read_rows(g, info)
         self.ggml_type = GGMLQuantizationType(info.ggml_type)
@@ -491,7 +500,13 @@ class EmbeddingTable:
             raise UnsupportedModel(f"{g.path}: token_embd type {info.type_name} cannot be dequantized on the host") from None
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:  # (N,) -> (N, dim) float32
-        raw = self.rows[ids] if self.shared is None else self.shared.read_rows(ids)
+        if self._views is not None and self.ggml_type == GGMLQuantizationType.Q8_0:  # d * q, as gguf's dequantizer
+            rest, halfs = self._views
+            g, lane = np.divmod(ids, self.shared.il)
+            rows = (rest[g, :, :, lane].view(np.int8).astype(np.float32) *
+                    halfs[g, :, 0, lane].astype(np.float32)[..., None]).reshape(len(ids), self.dim)
+            return rows if self.scale == 1.0 else rows * np.float32(self.scale)
+        raw = self.rows[ids] if self.shared is None else self.shared.read_rows(ids, self._views)
         rows = np_dequantize(raw, self.ggml_type).reshape(len(ids), self.dim).astype(np.float32)
         return rows if self.scale == 1.0 else rows * np.float32(self.scale)
 

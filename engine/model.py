@@ -19,7 +19,9 @@ from tinygrad.dtype import DType
 
 from .cpu_kernels import glu
 from .loader import Weight, device_zeros, rms_norm, zero_rows
-from .paged_attention import Run, paged_attention, rope_write_kv, write_kv
+from .paged_attention import Run, paged_attention, paged_attention_x8, rope_write_kv, write_kv
+from .quant_gemm import MAX_COLUMNS
+from .quant_i8 import X8
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +162,10 @@ class Block:
             q = rms_norm(q, self.w["attn_q_norm.weight"].value(), self.eps)
             k = rms_norm(k, self.w["attn_k_norm.weight"].value(), self.eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        attn = self._attention(q, k, v, groups, ctx, 1.0 / Hd ** 0.5)  # (N, H*Hd)
-        return self._ffn(self._lin(attn, "attn_output", residual=x))
+        # (N, H*Hd), with the CPU's 8-bit output matmul also quantized for it by the attention kernel
+        x8 = self.w["attn_output.weight"].takes_x8 and N <= MAX_COLUMNS
+        attn, attn8 = self._attention(q, k, v, groups, ctx, 1.0 / Hd ** 0.5, x8)
+        return self._ffn(self._lin(attn, "attn_output", residual=x, x8=attn8))
 
     def _ffn(self, x: Tensor) -> Tensor:
         norm = self._norm("ffn_norm.weight")
@@ -178,10 +182,12 @@ class Block:
             ff = self._lin(self._lin(h, "ffn_gate").silu() * self._lin(h, "ffn_up"), "ffn_down", residual=x)
         return ff.contiguous().realize()
 
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, groups: list[Group], ctx: UOp, scale: float) -> Tensor:
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, groups: list[Group], ctx: UOp, scale: float,
+                   x8: bool = False) -> tuple[Tensor, X8 | None]:
         """Write every column's k/v (N, KvH, Hd) into its sequence's blocks, then attend with q (N, H, Hd) over each
-        column's own positions so far, all columns in one set of kernels; returns (N, H*Hd). `ctx` is bound to the
-        step's longest run end (engine/paged_attention.py)."""
+        column's own positions so far, all columns in one set of kernels; returns (N, H*Hd), and with `x8` that
+        quantized for an 8-bit matmul where the attention kernel can (else None). `ctx` is bound to the step's
+        longest run end (engine/paged_attention.py)."""
         N, H, KvH, Hd = q.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         W = KvH * Hd
         # q, roped k and v in one kernel: the write and the scores kernel read their parts of it
@@ -190,8 +196,9 @@ class Block:
         # every column's keys/values first: a later column of the same step may attend to them
         Tensor.realize(*write_kv(self.pool_k, self.pool_v, qkv, self.kv_table, runs, self.block_size, H * Hd,
                                  H * Hd + W))
-        return paged_attention(qkv, self.pool_k, self.pool_v, self.kv_table, runs, ctx, self.max_context,
-                               self.block_size, H, KvH, Hd, scale)
+        args = (qkv, self.pool_k, self.pool_v, self.kv_table, runs, ctx, self.max_context, self.block_size, H, KvH,
+                Hd, scale)
+        return paged_attention_x8(*args) if x8 else (paged_attention(*args), None)
 
     # Clearing writes zeros straight into the cache buffers: no kernel to schedule (a kernel per cache and layer cost
     # ~0.1 s of scheduling each, ~6 s of SmolLM2's warmup, which clears every slot once)

@@ -429,6 +429,18 @@ def rope_write_kv(src: Tensor, cos: Tensor, sin: Tensor, pool_k: Tensor, pool_v:
     return out[0]
 
 
+def paged_attention_x8(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence[Run], ctx: UOp,
+                       max_context: int, block_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                       scale: float) -> tuple[Tensor, attention_cpu.X8 | None]:
+    """`paged_attention`, and its result quantized for an 8-bit output matmul where the CPU's kernel does that too
+    (engine/attention_cpu.py `attention_x8`; else None)."""
+    if not _gpu(q) and attention_cpu.wanted(str(q.device), block_size, head_dim):
+        return attention_cpu.attention_x8(q.cast(F32).contiguous(), pool_k, pool_v, table, _kruns(runs), max_context,
+                                          n_heads, n_kv_heads, head_dim, scale)
+    return paged_attention(q, pool_k, pool_v, table, runs, ctx, max_context, block_size, n_heads, n_kv_heads, head_dim,
+                           scale), None
+
+
 def paged_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, table: Tensor, runs: Sequence[Run], ctx: UOp,
                     max_context: int, block_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     scale: float) -> Tensor:

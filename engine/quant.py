@@ -24,6 +24,7 @@ multiplied with the matching slice of x rather than gathered into one array, whi
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -326,17 +327,23 @@ class QuantWeight:
         return self.rest.nbytes() + self.halfs.nbytes()
 
     @property
+    def takes_x8(self) -> bool:
+        """Whether `matmul_t` runs the CPU's 8-bit path, where an x quantized by the kernel that made it saves the
+        quantize kernel (engine/attention_cpu.py `attention_x8`)."""
+        return self.layout != "tc" and quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device))
+
+    @property
     def glu_once(self) -> bool:
         """Whether `matmul_t(x, glu=True)` computes silu(gate) * up once per value (inside the quantize kernel of the
         8-bit path, engine/quant_i8.py), not once per group of rows as the f32 matvec would."""
-        return self.layout != "tc" and quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device)) and \
-            quant_i8.glu_in_quantize()
+        return self.takes_x8 and quant_i8.glu_in_quantize()
 
     def matmul_t(self, x: Tensor, *, norm: tuple[Tensor, float] | None = None, glu: bool = False,
-                 residual: Tensor | None = None) -> Tensor:
+                 residual: Tensor | None = None, x8: quant_i8.X8 | None = None) -> Tensor:
         """x (N, cols) @ weight.T -> (N, rows) float32, the blocks decoded inside the kernel. With `norm` (weight,
         eps) x is RMS-normalized first; with `glu` x is (N, 2 cols) [gate | up] and silu(gate) * up is used; with
-        `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused)."""
+        `residual` (N, rows) it is added to the result. All inside the one kernel (see Fused). `x8`: x quantized
+        already (`takes_x8`), used by the CPU's 8-bit path, ignored by the others."""
         if self.layout == "tc":  # the tensor-core kernel: the norm and the residual fused, silu(gate) * up before it
             if x8_wanted() and s8_renderer(str(self.rest.device)):  # x in 8 bits (engine/matvec_gpu_s8.py)
                 return s8_matmul_t(self.rest, self.halfs, self.ggml_type, x, norm=norm, glu=glu, residual=residual)
@@ -351,7 +358,7 @@ class QuantWeight:
             quant_gemm.wide_vectors(str(self.rest.device))
         if quant_i8.wanted(self.ggml_type, self.il, str(self.rest.device)):  # x in 8 bits, integer dots
             return quant_i8.matmul_t(self.rest, self.halfs, self.ggml_type, self.shape[0], x, norm=norm, glu=glu,
-                                     residual=residual)
+                                     residual=residual, x8=x8)
         threads = next(t for t in range(min(cpu_threads(), G), 0, -1) if G % t == 0)
         fused = Fused(norm=None if norm is None else float(norm[1]), glu=glu, residual=residual is not None)
         if quant_gemm.enabled(x.shape[0], str(self.rest.device)):  # several columns on CPU: decode blocks once
@@ -375,9 +382,36 @@ class QuantWeight:
         """Row r's raw GGUF bytes, read back from the resident blocks (the embedding of a tied model)."""
         return self.read_rows(np.array([r]))[0]
 
-    def read_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The raw GGUF bytes (len(rows), row bytes) of the given rows: each group of il rows they touch is copied
-        out once and all of them are unpacked together (a prompt's embeddings: one unpack, not one per token)."""
+    def host_views(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """numpy views (no copy) of the resident blocks where they lie in host memory (a CPU device, the blocks
+        layout): rest (groups, blocks, rest bytes, il) uint8 and halfs (groups, blocks, fields, il) float16, valid
+        while this weight lives. None elsewhere (a GPU's memory, the tensor-core layout)."""
+        if self.layout != "blocks" or not str(self.rest.device).startswith("CPU"):
+            return None
+        out = []
+        for t, dtype in ((self.rest, np.uint8), (self.halfs, np.float16)):
+            buf = t.uop.buffer.ensure_allocated()
+            addr = getattr(buf._buf, "va_addr", None)
+            if addr is None or buf.offset:
+                return None
+            n = buf.nbytes
+            out.append(np.frombuffer((ctypes.c_char * n).from_address(int(addr)), dtype).reshape(t.shape))
+        return out[0], out[1]
+
+    def read_rows(self, rows: np.ndarray, views: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """The raw GGUF bytes (len(rows), row bytes) of the given rows. From `views` (`host_views`), each row's bytes
+        are gathered where they lie; else each group of il rows they touch is copied out once and all of them are
+        unpacked together (a prompt's embeddings: one unpack, not one per token)."""
+        if views is not None:   # a CPU stage's embeddings: 3 numpy gathers, no copy of whole groups
+            rest_v, halfs_v = views
+            g, lane = np.divmod(np.asarray(rows, dtype=np.int64), self.il)
+            rest, halfs = rest_v[g, :, :, lane], halfs_v[g, :, :, lane]   # (N, blocks, rest bytes), (N, blocks, fields)
+            bb = GGML_QUANT_SIZES[Q(self.ggml_type)][1]
+            out = np.empty((len(g), rest.shape[1], bb), np.uint8)
+            out[..., _rest_mask(self.ggml_type)] = rest
+            for i, off in enumerate(HALF_FIELDS[self.ggml_type]):
+                out[..., off:off + 2] = np.ascontiguousarray(halfs[..., i]).view(np.uint8).reshape(*halfs.shape[:2], 2)
+            return out.reshape(len(g), -1)
         groups, where = np.unique(np.asarray(rows, dtype=np.int64) // self.il, return_inverse=True)
         if self.layout == "tc":  # a tile's words and scales, unpacked by the tensor-core layout's inverse
             _, nb, _, lw = self.rest.shape

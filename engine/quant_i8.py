@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 from gguf import GGMLQuantizationType as Q
 from tinygrad import Tensor, UOp, dtypes
@@ -97,6 +98,34 @@ def _isa() -> str:
     return env or isa() or "generic"
 
 
+class X8(NamedTuple):
+    """x quantized for the 8-bit matmuls (`quantize`): q (N, C) int8, d (N, C/32) float32 scales, s (N, C/16) int32
+    sums of q per 16."""
+    q: Tensor
+    d: Tensor
+    s: Tensor
+
+
+def q8_block(a0: str, a1: str, q: str, d: str, s: str) -> str:
+    """C quantizing the 32 floats of the v16f expressions `a0`, `a1` (a block) to int8 at pointer `q`, its scale at
+    `d` and the sums of its two halves at `s`, `s` + 1: the one code of every kernel that quantizes x (the same bits
+    wherever x is made). Needs the types v16f, v16i and v16c."""
+    return f"""{{ const v16f x0_ = {a0}, x1_ = {a1};
+        v16f m = __builtin_elementwise_max(__builtin_elementwise_abs(x0_), __builtin_elementwise_abs(x1_));
+        m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+        m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+        m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+        const float amax = m[0] > m[1] ? m[0] : m[1];
+        const float d_ = amax / 127.0f, id = d_ != 0.0f ? 1.0f / d_ : 0.0f;
+        const v16i q0 = __builtin_convertvector(__builtin_elementwise_roundeven(x0_ * id), v16i);
+        const v16i q1 = __builtin_convertvector(__builtin_elementwise_roundeven(x1_ * id), v16i);
+        const v16c c0 = __builtin_convertvector(q0, v16c), c1 = __builtin_convertvector(q1, v16c);
+        __builtin_memcpy({q}, &c0, 16); __builtin_memcpy({q} + 16, &c1, 16);
+        int s0 = 0, s1 = 0;
+        for (int l = 0; l < 16; l++) {{ s0 += q0[l]; s1 += q1[l]; }}
+        *({d}) = d_; ({s})[0] = s0; ({s})[1] = s1; }}"""
+
+
 def _quantize_kernel(eps: float | None, glu: bool = False):
     def kernel(out_q: UOp, out_d: UOp, out_s: UOp, x: UOp, *norm_w: UOp) -> UOp:
         N, C = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
@@ -134,21 +163,7 @@ def _quantize_kernel(eps: float | None, glu: bool = False):
       {load}
       {wv}
       const v16f a0 = {value(0)}, a1 = {value(1)};
-      v16f m = __builtin_elementwise_max(__builtin_elementwise_abs(a0), __builtin_elementwise_abs(a1));
-      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
-      m = __builtin_elementwise_max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
-      const float amax = m[0] > m[1] ? m[0] : m[1];
-      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      const v16i q0 = __builtin_convertvector(__builtin_elementwise_roundeven(a0 * id), v16i);
-      const v16i q1 = __builtin_convertvector(__builtin_elementwise_roundeven(a1 * id), v16i);
-      const v16c c0 = __builtin_convertvector(q0, v16c), c1 = __builtin_convertvector(q1, v16c);
-      __builtin_memcpy(@0 + n * {C} + b * {BLOCK}, &c0, 16); __builtin_memcpy(@0 + n * {C} + b * {BLOCK} + 16, &c1, 16);
-      int s0 = 0, s1 = 0;
-      for (int l = 0; l < 16; l++) {{ s0 += q0[l]; s1 += q1[l]; }}
-      @1[n * {NB} + b] = d;
-      @2[n * {2 * NB} + 2 * b] = s0;
-      @2[n * {2 * NB} + 2 * b + 1] = s1;
+      {q8_block("a0", "a1", f"@0 + n * {C} + b * {BLOCK}", f"@1 + n * {NB} + b", f"@2 + n * {2 * NB} + 2 * b")}
     }}
   }} }}
 }}"""
@@ -168,7 +183,7 @@ def glu_in_quantize() -> bool:
     return os.environ.get("MESH_CPU_GLU_QUANT", "1") != "0"
 
 
-def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = False) -> X8:
     """x (N, C) float32 -> (q (N, C) int8, d (N, C/32) float32, sums of q (N, C/16) int32): per block of 32, its
     scale and the sums of its two halves of 16 (Q6_K's sub-blocks have 16 values). With `norm` (weight, eps), x is
     RMS-normalized first, in the same kernel. With `glu`, x is [gate | up] (N, 2C) and the values are silu(gate) * up,
@@ -182,7 +197,7 @@ def quantize(x: Tensor, norm: tuple[Tensor, float] | None = None, glu: bool = Fa
     w = [] if norm is None else [norm[0].cast(F32).contiguous()]
     q, d, s, *_ = Tensor.custom_kernel(q, d, s, x.cast(F32).contiguous(), *w,
                                        fxn=_quantize_kernel(None if norm is None else float(norm[1]), glu))
-    return q, d, s
+    return X8(q, d, s)
 
 
 def _transpose(k: int) -> str:
@@ -434,19 +449,23 @@ def _dot_kernel(ggml_type: int, threads: int, residual: bool, isa: str):
 
 
 def matmul_t(rest: Tensor, halfs: Tensor, ggml_type: int, rows: int, x: Tensor, *,
-             norm: tuple[Tensor, float] | None = None, glu: bool = False, residual: Tensor | None = None) -> Tensor:
+             norm: tuple[Tensor, float] | None = None, glu: bool = False, residual: Tensor | None = None,
+             x8: X8 | None = None) -> Tensor:
     """x (N, cols) @ W.T -> (N, rows) float32 for W's resident blocks, x quantized to 8 bits per block of 32; the
     options of `QuantWeight.matmul_t`. The norm runs inside the quantize kernel, and so does silu(gate) * up
-    (`glu_in_quantize`; else engine/cpu_kernels.py's kernel before it), for one column as for many."""
+    (`glu_in_quantize`; else engine/cpu_kernels.py's kernel before it), for one column as for many. `x8`: x already
+    quantized by the kernel that made it (`quantize`'s result, bitwise), used as it is (no norm, no glu)."""
+    if x8 is not None and (norm is not None or glu):
+        raise ValueError("matmul_t: a quantized x8 comes without a norm or glu to apply")
     x = x.cast(F32)
     if glu and (norm is not None or not glu_in_quantize()):
         x, glu = cpu_kernels.glu(x), False
     if x.shape[0] > MAX_COLUMNS:  # the column sums sit on each core thread's stack: bound them
-        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS], norm=norm, glu=glu,
+        parts = [matmul_t(rest, halfs, ggml_type, rows, x[i:i + MAX_COLUMNS], norm=norm, glu=glu,  # (x8 dropped)
                           residual=None if residual is None else residual[i:i + MAX_COLUMNS])
                  for i in range(0, x.shape[0], MAX_COLUMNS)]
         return parts[0].cat(*parts[1:], dim=0)
-    xq, xd, xs = quantize(x, norm, glu)
+    xq, xd, xs = x8 if x8 is not None else quantize(x, norm, glu)
     out = Tensor.empty(x.shape[0], rows, dtype=F32, device=rest.device)
     extra = [residual.cast(F32).contiguous()] if residual is not None else []
     fxn = _dot_kernel(ggml_type, slices(rest.shape[0], cpu_threads()), residual is not None, _isa())

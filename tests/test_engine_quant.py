@@ -45,6 +45,9 @@ def test_matvec_decodes_every_type_as_gguf_does(qtype, cols, monkeypatch):
         np.testing.assert_array_equal(w.read_row(r), raw[r])
     ids = np.array([47, 3, 17, 3, 0, 46, 16])  # a prompt's rows at once: repeats, groups out of order
     np.testing.assert_array_equal(w.read_rows(ids), raw[ids])
+    views = w.host_views()  # on the CPU, gathered where the blocks lie (no copy)
+    assert views is not None and views[0].base is not None
+    np.testing.assert_array_equal(w.read_rows(ids, views), raw[ids])
 
 
 def test_interleave_divides_the_rows():
@@ -64,3 +67,17 @@ def test_stage_holds_its_range_at_the_file_size(tmp_path, qtype):
     cols = [Column(i, 0, i == 4, 3 + i) for i in range(5)]
     want = f32.step_logits(cols)
     np.testing.assert_allclose(s.step_logits(cols), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("embed_qtype", ["Q8_0", "Q4_K"])
+def test_a_tied_embedding_is_read_in_place_with_the_dequantizers_bits(tmp_path, embed_qtype):
+    """On the CPU a first stage gathers a token's row from the tied head's resident blocks where they lie (a Q8_0
+    row as d * q directly): the same float32 values as gguf's dequantizer of the row's GGUF bytes."""
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=1, dim=256, ffn_dim=512, vocab_size=256, qtype="Q4_1",
+                        embed_qtype=embed_qtype)
+    s = Stage.load(p, 0, 1, n_slots=1, max_context=32)
+    emb = s._embed
+    assert emb.shared is not None and emb._views is not None
+    ids = np.array([255, 3, 17, 3, 0, 16])
+    want = dequantize(emb.shared.read_rows(ids), Q[embed_qtype]).reshape(len(ids), -1).astype(np.float32)
+    np.testing.assert_array_equal(emb.lookup(ids).view(np.uint32), want.view(np.uint32))
