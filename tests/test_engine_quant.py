@@ -70,14 +70,16 @@ def test_stage_holds_its_range_at_the_file_size(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("embed_qtype", ["Q8_0", "Q4_K"])
-def test_a_tied_embedding_is_read_in_place_with_the_dequantizers_bits(tmp_path, embed_qtype):
-    """On the CPU a first stage gathers a token's row from the tied head's resident blocks where they lie (a Q8_0
-    row as d * q directly): the same float32 values as gguf's dequantizer of the row's GGUF bytes."""
-    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=1, dim=256, ffn_dim=512, vocab_size=256, qtype="Q4_1",
+@pytest.mark.parametrize("end", [1, 2])
+def test_an_embedding_row_has_the_dequantizers_bits(tmp_path, embed_qtype, end):
+    """A first stage's token rows: gathered from the tied head's resident blocks where they lie on the CPU (the
+    whole model, end 2), or from the raw rows it holds (layers 0..1 of 2: no head); a Q8_0 row as q * d directly.
+    Either way the float32 values gguf's dequantizer gives for the row's GGUF bytes."""
+    p = write_tiny_gguf(tmp_path / "m.gguf", n_layers=2, dim=256, ffn_dim=512, vocab_size=256, qtype="Q4_1",
                         embed_qtype=embed_qtype)
-    s = Stage.load(p, 0, 1, n_slots=1, max_context=32)
-    emb = s._embed
-    assert emb.shared is not None and emb._views is not None
+    emb = Stage.load(p, 0, end, n_slots=1, max_context=32)._embed
+    assert (emb.shared is not None and emb._views is not None) == (end == 2)
     ids = np.array([255, 3, 17, 3, 0, 16])
-    want = dequantize(emb.shared.read_rows(ids), Q[embed_qtype]).reshape(len(ids), -1).astype(np.float32)
+    raw = emb.shared.read_rows(ids) if emb.shared is not None else emb.rows[ids]
+    want = dequantize(raw, Q[embed_qtype]).reshape(len(ids), -1).astype(np.float32)
     np.testing.assert_array_equal(emb.lookup(ids).view(np.uint32), want.view(np.uint32))
