@@ -86,9 +86,12 @@ def main() -> None:
         print(f"{w} column{'s' if w > 1 else ''}, runner alone (ms, median of {a.rounds} rounds): " + "  ".join(
             f"{n} {statistics.median(v) * 1e3:.3f}" + ("" if n == first else f" ({statistics.median(v) / base:.3f}x)")
             for n, v in runner[w].items()))
-        if a.kernels:
-            for k in sorted(kinds[w][first], key=lambda k: -statistics.median(kinds[w][first][k])):
-                print(f"  {k:<24s} " + "  ".join(f"{n} {statistics.median(kinds[w][n][k]) * 1e3:.3f}" for n in stages))
+        if a.kernels:   # every kind any variant has (a variant may fuse one away: "-")
+            every = {k for n in stages for k in kinds[w][n]}
+            cost = lambda n, k: statistics.median(kinds[w][n][k]) if kinds[w][n].get(k) else 0.0  # noqa: E731
+            for k in sorted(every, key=lambda k: -max(cost(n, k) for n in stages)):
+                print(f"  {k:<24s} " + "  ".join(f"{n} {cost(n, k) * 1e3:.3f}" if kinds[w][n].get(k) else f"{n} -"
+                                                 for n in stages))
     print(f"load {os.getloadavg()[0]:.2f}", flush=True)
 
 
