@@ -115,6 +115,7 @@
 #   bench/h200_synth.sh s18    a fresh machine: the 8B 3-peer chain with and without the hot sink, serve_bench's chain rows
 #   bench/h200_synth.sh s19    a fresh machine: the hot sink's A/A, then its A/B, on the 8B 3-peer chain; serve_bench local 1,16
 #   bench/h200_synth.sh s20    a fresh machine: issue 11's whole table (1.1B Q8_0, 1/4/8/16 streams, local and chain)
+#   bench/h200_synth.sh s20b   a fresh machine: one hop's latency (hop_bench), the writer's yield A/B both ways on the 8B chain
 #   bench/h200_synth.sh s15    a fresh 4-GPU machine (kind nvidia-h200-x4): issue 10's 8B chain with a GPU a peer
 #                              (mesh_bench --gpus 1,2,3), then all peers on one GPU; ~8 minutes
 # Send the committed tree, not the shared checkout (other helpers' unfinished edits travel with it otherwise):
@@ -131,7 +132,7 @@
 #   vulkan,opencl,cann,musa,zdnn,zendnn,virtgpu,rpc}; tar czf .llama/lc.tgz -C .llama lc   (/.llama/ is excluded)
 # Everything printed lands in $OUT too.
 set -u
-phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, s17e, s18, s19, s20, tc, tc2 or team}
+phase=${1:?one, two, three, four, ab, prof, variants, depth, engine-depth, final, s4, s5, s6, s6b, s7, s8, s9, s9b, s9c, s10, s10b, s11, s12, s12b, s12c, s12d, s12e, s12f, s13, s13b, s13d, s14, s14b, s14c, s14d, s15, s16, s16b, s17, s17b, s17c, s17d, s17e, s18, s19, s20, s20b, tc, tc2 or team}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 T0=$(date +%s)
@@ -1237,6 +1238,21 @@ s20)  # twentieth session (issue 11's closing figures): serve_bench's whole tabl
     DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/8b-Q4_0.gguf --peers 1,3 --rounds 2 --tokens 64 2>&1 \
       | grep -v Warning | tee -a "$OUT/mesh.txt"
   else echo "skip mesh_bench: no time"; fi
+  uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
+  ;;
+s20b)  # twentieth session (issue 10): the writer's yield after a hop's frame (common/handoff.py) on the GPU host: one
+  # hop alone (bench/hop_bench.py), then the 8B 3-peer chain with and without it, each order once (the second fleet
+  # of an --ab run has come out ahead by 0.01-0.015 in A/A runs)
+  { date -u; nproc; uptime; } 2>&1 | tee "$OUT/env.txt"
+  timeout 120 python3 bench/hop_bench.py --rounds 3 --messages 1000 2>&1 | tee "$OUT/hop.txt"
+  synth_once 8b-Q4_0 8b Q4_0 synth8.txt
+  for order in "1 0" "0 1"; do
+    set -- $order
+    l=$(lim 220); [ "$l" -gt 120 ] || { echo "skip mesh_bench yield $1/$2: no time"; continue; }
+    echo "== mesh_bench 8b-Q4_0 3 peers, MESH_WRITE_YIELD=$1 then --ab MESH_WRITE_YIELD=$2 (limit ${l}s)"
+    MESH_WRITE_YIELD=$1 DEV=CUDA timeout $l python3 bench/mesh_bench.py --model $M/8b-Q4_0.gguf --peers 3 --rounds 3 \
+      --tokens 64 --ab MESH_WRITE_YIELD=$2 2>&1 | grep -v Warning | tee -a "$OUT/mesh.txt"
+  done
   uptime; echo "elapsed $(( $(date +%s) - T0 )) s"
   ;;
 s15)  # issue 10 on a 4-GPU host (run's nvidia-h200-x4): the 8B Q4_0 chain with every peer on a GPU of its own

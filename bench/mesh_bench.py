@@ -60,6 +60,7 @@ from engine.sources import default_model_path  # noqa: E402
 from engine.stage import Column, Sampling  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.worker import open_worker  # noqa: E402
+from common import handoff  # noqa: E402
 import mesh.link as link_mod  # noqa: E402
 from mesh import proto  # noqa: E402
 from mesh.coordinator import CoordConfig, Coordinator  # noqa: E402
@@ -174,6 +175,8 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
         env["MESH_TOKEN"] = token
     spin_before = link_mod.SPIN     # an --ab of MESH_SPIN_US goes to the coordinator (its sink's hot wait) too
     link_mod.SPIN = link_mod.spin_from_env(env)
+    yield_before = handoff.YIELD     # and an --ab of MESH_WRITE_YIELD (common/handoff.py)
+    handoff.YIELD = handoff.enabled(env)
     try:
         async with trio.open_nursery() as nursery:
             await coord.serve_registry(nursery)
@@ -210,6 +213,7 @@ async def meshed(model: Path, peers: int, chain: str, rtc_hops: tuple[int, ...],
             raise SystemExit("mesh_bench: a peer died before the fleet formed" + "".join(f"\n  {d}" for d in died))
     finally:
         link_mod.SPIN = spin_before
+        handoff.YIELD = yield_before
         for p in procs:
             with contextlib.suppress(ProcessLookupError):   # a peer that died alone left no group
                 os.killpg(p.pid, signal.SIGKILL)

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable, Literal
 import trio
 import trio.testing
 
+from common import handoff
 from mesh import proto
 from mesh.errors import single_errors
 from mesh.logsafe import clean
@@ -223,6 +224,8 @@ class Link:
         if sent < len(data):
             self._tail = data[sent:]
             self._wake_control.set()
+        else:       # a hop's frame: the receiver it woke may be queued on this CPU (common/handoff.py)
+            handoff.after_wake()
 
     async def receive(self) -> proto.Event:
         """The next event. Raises RemoteError for an Error from the peer (the link stays usable), LinkClosed on a
