@@ -27,7 +27,7 @@ import trio  # noqa: E402
 
 from common import handoff  # noqa: E402
 from mesh import proto  # noqa: E402
-from mesh.link import open_link  # noqa: E402
+from mesh.link import LinkError, open_link  # noqa: E402
 
 TOKEN = b"hop-bench-fleet-token-0123456789"
 
@@ -87,13 +87,19 @@ def link_row(size: int, idle: float, n: int, yield_on: bool) -> dict:
                 arrived = []
 
                 def take(ev) -> bool:
-                    if not isinstance(ev, proto.Step):
+                    if not isinstance(ev, proto.Step) or not link.send_nowait(proto.Tokens(ev.group, (1,))):
                         return False
                     arrived.append(link.arrived)
-                    return link.send_nowait(proto.Tokens(ev.group, (1,)))
+                    return True
                 link.take = take
                 try:
-                    await link.wait_failed()
+                    while True:     # what `take` could not answer at once (a Pong was being written): queued
+                        ev = await link.receive()
+                        if isinstance(ev, proto.Step):
+                            arrived.append(link.arrived)
+                            await link.send(proto.Tokens(ev.group, (1,)))
+                except LinkError:
+                    pass
                 finally:    # the parent hangs up when it is done: hand it what arrived when
                     os.write(w, " ".join(f"{a:.9f}" for a in arrived).encode())
         try:
