@@ -2,11 +2,13 @@
 virtual time (autojump_clock) where time matters."""
 from __future__ import annotations
 
+import os
 import secrets
 import select
 from contextlib import asynccontextmanager
 
 import pytest
+
 import trio
 import trio.testing
 
@@ -388,6 +390,32 @@ async def test_send_nowait_writes_from_sync_code_and_a_partial_frame_goes_out_be
             assert isinstance(got, p.ShipChunk) and bytes(got.data) == big
             assert await server.receive() == p.Ack(p.MsgType.LOAD, 3)
             assert not client._tail
+
+
+async def test_a_frame_written_whole_from_sync_code_hands_the_cpu_on_once(monkeypatch):
+    """After a hop's frame is written whole (send_nowait, send_plain_nowait) the writer yields once, so a receiver
+    queued on its CPU runs first (common/handoff.py); a frame the socket took only part of yields nothing (its tail
+    goes out later), and neither does an ordinary send. MESH_WRITE_YIELD=0 turns the yield off."""
+    from common import handoff
+    calls = []
+    monkeypatch.setattr(handoff, "YIELD", True)
+    monkeypatch.setattr(handoff.os, "sched_yield", lambda: calls.append(1), raising=False)
+    big = bytes(range(256)) * 16 * 1024
+    async with socket_link_pair() as (client, server):
+        with trio.fail_after(20):
+            await trio.testing.wait_all_tasks_blocked()
+            assert client.send_nowait(p.Ack(p.MsgType.LOAD, 1)) and calls == [1]
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 1)
+            await client.send(p.Ack(p.MsgType.LOAD, 2))
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 2) and calls == [1]
+            assert client.send_nowait(p.ShipChunk(0, big)) and client._tail and calls == [1]
+            assert bytes((await server.receive()).data) == big
+            await trio.testing.wait_all_tasks_blocked()
+            monkeypatch.setattr(handoff, "YIELD", False)
+            assert client.send_nowait(p.Ack(p.MsgType.LOAD, 3)) and calls == [1]
+            assert await server.receive() == p.Ack(p.MsgType.LOAD, 3)
+    assert handoff.enabled({}) == hasattr(os, "sched_yield")
+    assert not handoff.enabled({handoff.ENV: "0"})
 
 
 async def test_send_nowait_declines_what_it_cannot_write_at_once():
