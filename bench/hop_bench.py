@@ -112,18 +112,24 @@ def link_row(size: int, idle: float, n: int, yield_on: bool) -> dict:
         rtt, wrote = [], []
         async with open_link(trio.SocketStream(trio.socket.from_stdlib_socket(s)), token=TOKEN,
                              role="client") as link:
-            got = []
-            link.take = lambda ev: isinstance(ev, proto.Tokens) and (got.append(ev) or True)
+            got = trio.Event()
+
+            def take(ev) -> bool:
+                if not isinstance(ev, proto.Tokens):
+                    return False
+                got.set()
+                return True
+            link.take = take
             for _ in range(n):
                 time.sleep(idle)
-                got.clear()
+                got = trio.Event()
                 t = time.perf_counter()
                 if not link.send_nowait(step):
                     await link.send(step)
                 wrote.append(link.wrote)
-                while not got:
+                while not got.is_set():     # as the coordinator's decode loop: pump, else trio's own wait
                     if not await link.pump():
-                        await trio.sleep(0)
+                        await got.wait()
                 rtt.append(time.perf_counter() - t)
         return rtt, wrote
     rtt, wrote = trio.run(parent)
